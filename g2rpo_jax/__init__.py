@@ -1,0 +1,1 @@
+"""g2rpo-jax: G²RPO (Granular-GRPO) for flow-matching text-to-image transformers."""

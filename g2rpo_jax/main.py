@@ -1,0 +1,141 @@
+r"""g2rpo-jax entry point.
+
+  python -m g2rpo_jax.main --config=configs/<name>.py --workdir=DIR [--config.a.b=value ...]
+
+The config file's `get_config()` gives every setting; any field can be overridden on the
+command line (e.g. `--config.model.num_layers=2 --config.mesh.fsdp=4`). `config.mode` selects
+what runs:
+  describe  build the mesh and the model, report parameter counts and shardings, and time one
+            forward pass on a dummy batch (writes DIR/describe.json).
+"""
+
+import json
+import os
+import time
+
+from absl import app, flags, logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+
+from g2rpo_jax import config_lib, parallel
+from g2rpo_jax.models import flux
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file with get_config(); override fields as "
+    "--config.section.field=value.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (created if missing).")
+
+_EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl")
+
+
+def _build_model(config, mesh, rules) -> flux.Flux:
+    """From the checkpoint if the config names one (straight into shardings), else random."""
+    if config.model.checkpoint:
+        execution = {k: config.model[k] for k in _EXECUTION_FIELDS}
+        return flux.from_pretrained(config.model.checkpoint, mesh=mesh, rules=rules, **execution)
+    return flux.init_sharded(config_lib.to_flux_config(config.model), mesh, config.seed, rules)
+
+
+def _dummy_batch(cfg: flux.FluxConfig, batch: int, image_tokens: int, text_tokens: int, mesh,
+                 rules):
+    keys = jax.random.split(jax.random.key(0), 4)
+    side = max(1, int(image_tokens ** 0.5))
+    token = jnp.arange(image_tokens)
+    img_ids = jnp.stack([jnp.zeros(image_tokens), token // side, token % side],
+                        -1).astype(jnp.float32)
+    arrays = dict(
+        img=jax.random.normal(keys[0], (batch, image_tokens, cfg.in_channels)),
+        txt=jax.random.normal(keys[1], (batch, text_tokens, cfg.joint_attention_dim)),
+        timesteps=jax.random.uniform(keys[2], (batch,)),
+        y=jax.random.normal(keys[3], (batch, cfg.pooled_projection_dim)),
+    )
+    if cfg.guidance_embeds:
+        arrays["guidance"] = jnp.full((batch,), 3.5)
+    arrays = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.shape, rules))
+              for k, v in arrays.items()}
+    return dict(arrays, img_ids=img_ids, txt_ids=jnp.zeros((text_tokens, 3), jnp.float32))
+
+
+def describe(config, workdir: str, mesh, rules) -> dict:
+    """Reports parameters, shardings and (optionally) one forward pass's compile/run time."""
+    cfg = config_lib.to_flux_config(config.model)
+    flux.validate_mesh(cfg, mesh)
+    _, abstract_state = nnx.split(flux.abstract_model(cfg, rules))
+    leaves = jax.tree.leaves(abstract_state)
+    num_params = sum(x.size for x in leaves)
+    num_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    report = {"mesh": dict(mesh.shape), "devices": jax.device_count(),
+              "parameters": num_params, "parameter_bytes": num_bytes}
+    logging.info("Mesh %s over %d devices (%s).", dict(mesh.shape), jax.device_count(),
+                 jax.devices()[0].platform)
+    logging.info("FLUX transformer: %s parameters, %.2f GiB as %s.", f"{num_params:,}",
+                 num_bytes / 2**30, cfg.param_dtype)
+    rows = sorted(parallel.sharding_table(abstract_state, mesh, rules),
+                  key=lambda row: -row["bytes_per_device"])
+    limit = config.describe.max_param_lines
+    for row in rows if limit < 0 else rows[:limit]:
+        logging.info("  %-56s %-20s %-36s %9.2f MiB/device", row["path"], row["shape"],
+                     row["spec"], row["bytes_per_device"] / 2**20)
+    per_device = sum(row["bytes_per_device"] for row in rows) / 2**20
+    report["parameter_mib_per_device"] = per_device
+    logging.info("Parameters per device: %.1f MiB.", per_device)
+
+    if config.describe.forward:
+        start = time.perf_counter()
+        model = _build_model(config, mesh, rules)
+        report["load_s"] = time.perf_counter() - start
+        batch_size = config.describe.batch_size
+        if batch_size <= 0:
+            batch_size = mesh.shape["data"] * mesh.shape["fsdp"]
+        batch = _dummy_batch(model.cfg, batch_size, config.describe.image_tokens,
+                             config.describe.text_tokens, mesh, rules)
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def forward(state, batch):
+            return nnx.merge(graphdef, state)(**batch)
+
+        with jax.set_mesh(mesh):
+            start = time.perf_counter()
+            compiled = forward.lower(state, batch).compile()
+            report["compile_s"] = time.perf_counter() - start
+            compiled(state, batch).block_until_ready()
+            times = []
+            for _ in range(max(1, config.describe.num_runs)):
+                start = time.perf_counter()
+                compiled(state, batch).block_until_ready()
+                times.append(time.perf_counter() - start)
+        report["forward_s"] = min(times)
+        report["batch"] = {"size": batch_size, "image_tokens": config.describe.image_tokens,
+                           "text_tokens": config.describe.text_tokens}
+        logging.info("Forward [B=%d, N=%d, T=%d]: compile %.2f s, run %.4f s (best of %d).",
+                     batch_size, config.describe.image_tokens, config.describe.text_tokens,
+                     report["compile_s"], report["forward_s"], len(times))
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "describe.json"), "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+MODES = {"describe": describe}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    config = _CONFIG.value
+    if config.mode not in MODES:
+        raise app.UsageError(f"Unknown mode {config.mode!r}; choose one of {sorted(MODES)}.")
+    parallel.initialize_distributed(config.distributed)
+    workdir = _WORKDIR.value
+    os.makedirs(workdir, exist_ok=True)
+    mesh = parallel.mesh_from_config(config.mesh)
+    rules = parallel.rules_from_config(config.sharding_rules)
+    MODES[config.mode](config, workdir, mesh, rules)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config", "workdir"])
+    app.run(main)

@@ -1,0 +1,35 @@
+"""Everything that touches devices: meshes, logical axis rules, shardings, multi-host start-up."""
+
+from g2rpo_jax.parallel.mesh import (
+    MESH_AXES,
+    MeshError,
+    initialize_distributed,
+    make_mesh,
+    mesh_from_config,
+    resolve_mesh_shape,
+)
+from g2rpo_jax.parallel.sharding import (
+    DEFAULT_RULES,
+    batch_sharding,
+    logical_to_spec,
+    rules_from_config,
+    sharding_table,
+    state_shardings,
+    with_logical_constraint,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "MeshError",
+    "batch_sharding",
+    "sharding_table",
+    "initialize_distributed",
+    "logical_to_spec",
+    "make_mesh",
+    "mesh_from_config",
+    "resolve_mesh_shape",
+    "rules_from_config",
+    "state_shardings",
+    "with_logical_constraint",
+]

@@ -1,0 +1,150 @@
+"""Logical axis names → mesh shardings.
+
+Parameters and activations are annotated with *logical* axis names ("embed", "heads", "batch",
+...). A rule table maps each logical name to zero, one or several mesh axes. Keeping the two
+apart lets one model definition run pure data parallel, FSDP, or FSDP + tensor parallel by
+changing only the config's mesh sizes and rules.
+"""
+
+from collections.abc import Sequence
+import math
+from typing import Any
+
+from flax import nnx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Each rule: (logical name, mesh axis | tuple of mesh axes | None). Earlier dims of an array
+# claim mesh axes first; a mesh axis is never used twice in one array.
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    # Activations.
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    # Parameters: FSDP over the model dimension, tensor parallel over heads / MLP units.
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("modulation", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+    ("input", None),
+)
+
+
+def rules_from_config(rules) -> tuple[tuple[str, Any], ...]:
+    """Normalises rules from a config (lists become tuples, so rules are hashable/static)."""
+    if rules is None:
+        return DEFAULT_RULES
+    normalised = []
+    for rule in rules:
+        if len(rule) != 2:
+            raise ValueError(f"A logical axis rule is (logical_name, mesh_axes); got {rule!r}.")
+        name, axes = rule
+        if isinstance(axes, list | tuple):
+            axes = tuple(axes)
+        normalised.append((str(name), axes))
+    return tuple(normalised)
+
+
+def _mesh_axes_for(name: str | None, rules: LogicalRules) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    for logical, axes in rules:
+        if logical == name:
+            if axes is None:
+                return ()
+            return (axes,) if isinstance(axes, str) else tuple(axes)
+    raise ValueError(
+        f"Logical axis {name!r} has no rule. Add ({name!r}, <mesh axes or None>) to the "
+        f"sharding rules (known names: {[r[0] for r in rules]}).")
+
+
+def logical_to_spec(names: Sequence[str | None], rules: LogicalRules = DEFAULT_RULES,
+                    shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec.
+
+    With `shape` and `mesh`, a dim whose size is not divisible by its mesh axes' total size
+    keeps only the leading mesh axes that divide it (replication is always correct; uneven
+    shards are not placeable). Mesh axes of size 1 are dropped so specs stay readable.
+
+    Args:
+      names: one logical name (or None) per array dim.
+      rules: the logical → mesh table.
+      shape: the array's shape, for the divisibility fallback.
+      mesh: the mesh, for axis sizes.
+    """
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(names):
+        axes = [a for a in _mesh_axes_for(name, rules) if a not in used]
+        if mesh is not None:
+            axes = [a for a in axes if mesh.shape[a] > 1]
+            if shape is not None:
+                while axes and shape[dim] % math.prod(mesh.shape[a] for a in axes):
+                    axes.pop()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def _variable_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+    names = variable.get_metadata().get("logical_axes")
+    if not names:
+        return (None,) * len(variable.shape)
+    if len(names) != len(variable.shape):
+        raise ValueError(
+            f"Sharding names {names} do not match the parameter's shape {variable.shape}.")
+    return tuple(names)
+
+
+def state_shardings(state, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES):
+    """NamedShardings for every Variable of an nnx state (abstract or concrete), same tree."""
+
+    def to_sharding(variable):
+        spec = logical_to_spec(_variable_names(variable), rules, variable.shape, mesh)
+        return variable.replace(NamedSharding(mesh, spec))
+
+    return jax.tree.map(to_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int], rules: LogicalRules = DEFAULT_RULES,
+                   names: Sequence[str | None] | None = None) -> NamedSharding:
+    """Sharding for a batch-major input array: dim 0 is "batch", the rest replicated."""
+    if names is None:
+        names = ("batch",) + (None,) * (len(shape) - 1) if len(shape) else ()
+    return NamedSharding(mesh, logical_to_spec(names, rules, shape, mesh))
+
+
+def with_logical_constraint(x: jax.Array, names: Sequence[str | None],
+                            rules: LogicalRules = DEFAULT_RULES) -> jax.Array:
+    """Constrains an activation's sharding by logical names, under the mesh set by `jax.set_mesh`.
+
+    Outside a mesh context (plain single-device calls) this is the identity, so models stay
+    callable without any parallel set-up.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_to_spec(names, rules, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def sharding_table(state, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> list[dict]:
+    """One row per parameter: path, shape, PartitionSpec and bytes held by each device."""
+    rows = []
+    for path, variable in nnx.to_flat_state(state):
+        spec = logical_to_spec(_variable_names(variable), rules, variable.shape, mesh)
+        shards = math.prod(
+            math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+            for axes in spec if axes is not None)
+        nbytes = math.prod(variable.shape) * variable.dtype.itemsize
+        rows.append({"path": ".".join(map(str, path)), "shape": tuple(variable.shape),
+                     "spec": spec, "bytes_per_device": nbytes // shards})
+    return rows

@@ -1,0 +1,1 @@
+"""Reference checkpoints and oracles for tests and benchmarks (need the `[test]` extra)."""

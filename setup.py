@@ -1,0 +1,41 @@
+"""g2rpo-jax: G²RPO (Granular-GRPO) for flow-matching text-to-image models in JAX/Flax."""
+
+import setuptools
+
+# Pinned to the versions the test suite is run against (see README).
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "ml_collections==1.1.0",
+    "absl-py==2.5.1",
+    "tensorflow-datasets==4.9.10",
+    "array_record==0.8.6",
+    "transformers==5.24.0",
+    "safetensors==0.8.0",
+    "numpy==2.4.6",
+    "ml_dtypes==0.7.0",
+    "tqdm==4.70.1",
+]
+
+# Reference libraries used only by the tests (parity oracles), plus the runner.
+TEST_REQUIRES = [
+    "pytest==9.0.3",
+    "pytest-xdist==3.8.0",
+    "torch==2.13.0",
+    "diffusers==0.42.1",
+]
+
+setuptools.setup(
+    name="g2rpo_jax",
+    version="0.1.0",
+    description="G²RPO (Granular-GRPO) preference alignment for flow-matching text-to-image models, in JAX.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["g2rpo_jax", "g2rpo_jax.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": TEST_REQUIRES},
+)

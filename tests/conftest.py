@@ -1,0 +1,11 @@
+"""Test set-up: 8 emulated CPU devices, configured before anything else imports jax."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+# Parity tests compare against float32 references: keep matmuls in full precision.
+jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,0 +1,141 @@
+"""Mesh construction, logical axis rules and multi-process start-up."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import ml_collections
+import numpy as np
+import pytest
+
+from g2rpo_jax import parallel
+
+
+@pytest.mark.parametrize("sizes, expected", [
+    ((8, 1, 1), (8, 1, 1)),
+    ((-1, 2, 1), (4, 2, 1)),
+    ({"fsdp": -1}, (1, 8, 1)),
+    ({"data": 2, "tensor": 2, "fsdp": -1}, (2, 2, 2)),
+])
+def test_resolve_mesh_shape(sizes, expected):
+    assert parallel.resolve_mesh_shape(sizes, 8) == expected
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ((3, 1, 1), "3 positions but there are 8 devices"),
+    ((-1, 3, 1), "multiply to 3, which does not divide 8"),
+    ((-1, -1, 1), "at most one axis may be -1"),
+    ((0, 8, 1), "positive or -1"),
+    ({"model": 8}, "Unknown mesh axes"),
+    ((8, 1), "needs 3 sizes"),
+])
+def test_bad_mesh_is_a_clear_error(sizes, message):
+    with pytest.raises(parallel.MeshError, match=message):
+        parallel.resolve_mesh_shape(sizes, 8)
+
+
+def test_make_mesh_uses_all_devices_with_axis_names():
+    mesh = parallel.make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
+    assert mesh.axis_names == parallel.MESH_AXES
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh.devices.size == jax.device_count() == 8
+    with pytest.raises(parallel.MeshError, match="axis_types"):
+        parallel.make_mesh((8, 1, 1), axis_types="manual")
+
+
+def test_mesh_from_config():
+    cfg = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=4, axis_types="explicit"))
+    mesh = parallel.mesh_from_config(cfg)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def test_logical_to_spec_hand_cases():
+    rules = parallel.DEFAULT_RULES
+    mesh = parallel.make_mesh((2, 2, 2))
+    # [layers, embed, heads] → (None, fsdp, tensor)
+    assert parallel.logical_to_spec(("layers", "embed", "heads"), rules, (4, 8, 8), mesh) == \
+        P(None, "fsdp", "tensor")
+    # batch takes data and fsdp together.
+    assert parallel.logical_to_spec(("batch", None), rules, (8, 3), mesh) == P(("data", "fsdp"))
+    # batch of 2 cannot be split 4 ways: keep the leading axis that divides it.
+    assert parallel.logical_to_spec(("batch", None), rules, (2, 3), mesh) == P("data")
+    # Odd sizes stay replicated; a mesh axis is never used twice in one array.
+    assert parallel.logical_to_spec(("embed", "mlp"), rules, (7, 8), mesh) == P(None, "tensor")
+    custom = (("a", "tensor"), ("b", "tensor"))
+    assert parallel.logical_to_spec(("a", "b"), custom, (4, 4), mesh) == P("tensor")
+    # Without a mesh the full mapping is returned; fsdp, taken by batch, is not reused.
+    assert parallel.logical_to_spec(("batch", "embed", "heads"), rules) == \
+        P(("data", "fsdp"), None, "tensor")
+    with pytest.raises(ValueError, match="has no rule"):
+        parallel.logical_to_spec(("nonsense",), rules)
+
+
+def test_mesh_axes_of_size_one_are_dropped():
+    mesh = parallel.make_mesh((8, 1, 1))
+    assert parallel.logical_to_spec(("layers", "embed", "heads"), parallel.DEFAULT_RULES,
+                                    (4, 8, 8), mesh) == P()
+
+
+def test_rules_from_config_round_trip():
+    as_lists = [list(rule) for rule in parallel.DEFAULT_RULES]
+    assert parallel.rules_from_config(as_lists) == parallel.DEFAULT_RULES
+    with pytest.raises(ValueError, match="logical_name, mesh_axes"):
+        parallel.rules_from_config([["batch"]])
+
+
+def test_logical_constraint_is_identity_without_mesh_and_shards_with_one():
+    x = jnp.arange(16.0).reshape(8, 2)
+    assert parallel.with_logical_constraint(x, ("batch", None)) is x
+    mesh = parallel.make_mesh((4, 2, 1))
+
+    @jax.jit
+    def f(x):
+        return parallel.with_logical_constraint(x * 2, ("batch", None))
+
+    with jax.set_mesh(mesh):
+        y = f(x)
+    assert y.sharding.spec == P(("data", "fsdp"))
+    np.testing.assert_array_equal(y, x * 2)
+
+
+_WORKER = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    import ml_collections
+    import numpy as np
+    from g2rpo_jax import parallel
+    port, pid = sys.argv[1], int(sys.argv[2])
+    parallel.initialize_distributed(ml_collections.ConfigDict(dict(
+        enabled=True, coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)))
+    mesh = parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    sharding = parallel.batch_sharding(mesh, (4,))
+    local = np.arange(2, dtype=np.float32) + 2 * pid      # process 0: [0, 1], process 1: [2, 3]
+    x = jax.make_array_from_process_local_data(sharding, local, (4,))
+    total = jax.jit(lambda x: x.sum(), out_shardings=parallel.batch_sharding(mesh, ()))(x)
+    print(f"RESULT {pid} {jax.device_count()} {mesh.devices.size} {float(total)}")
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_form_one_global_mesh(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    for i, out in enumerate(outputs):
+        assert procs[i].returncode == 0, out
+        result = [line for line in out.splitlines() if line.startswith("RESULT")]
+        assert result == [f"RESULT {i} 4 4 6.0"], out
