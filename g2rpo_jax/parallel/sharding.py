@@ -122,6 +122,18 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int], rules: LogicalRules = DEFAU
     return NamedSharding(mesh, logical_to_spec(names, rules, shape, mesh))
 
 
+def replicate_unplaced(tree, mesh: Mesh):
+    """Puts every array not yet laid out on the mesh (e.g. a fresh scalar) replicated on it."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(a):
+        if isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == mesh:
+            return a
+        return jax.device_put(a, replicated)
+
+    return jax.tree.map(place, tree)
+
+
 def with_logical_constraint(x: jax.Array, names: Sequence[str | None],
                             rules: LogicalRules = DEFAULT_RULES) -> jax.Array:
     """Constrains an activation's sharding by logical names, under the mesh set by `jax.set_mesh`.
