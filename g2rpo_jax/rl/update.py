@@ -186,7 +186,7 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-            return new_state, (metrics, optax.global_norm(grads))
+            return new_state, (metrics, optax.tree.norm(grads))
 
         state, (metrics, grad_norms) = jax.lax.scan(one_update, state, grouped)
         metrics = dict(metrics, grad_norm=grad_norms, rollout_log_prob_gap=rollout_gap)

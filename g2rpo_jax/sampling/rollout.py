@@ -237,6 +237,7 @@ def plan_continuations(sigmas, branch_steps: Sequence[int], granularities: Seque
                          "use packing='pack'.")
     length = max(sum(steps[c] for c in lane) for lane in lanes)
     width = len(lanes)
+    length = max(length, 1)  # all combos already final: one idle step keeps the scan non-empty
     lane_combo = np.full((length, width), len(combos), np.int32)
     lane_start = np.zeros((length, width), bool)
     lane_end = np.zeros((length, width), bool)
@@ -293,7 +294,9 @@ def continue_branches(velocity: VelocityFn, branch_x: jax.Array, plan: Continuat
         out = out.at[:, target].set(x)
         return (x, out), None
 
-    init = (jnp.zeros((p, lanes, g, *tail), jnp.float32), jnp.zeros_like(starts))
+    # `out` starts as the branch states, so a combo with no steps left (a branch at the last
+    # step) is already final.
+    init = (jnp.zeros((p, lanes, g, *tail), jnp.float32), starts)
     tables = tuple(jnp.asarray(t) for t in (plan.lane_combo, plan.lane_start, plan.lane_end,
                                             plan.lane_sigma, plan.lane_sigma_next))
     (_, out), _ = jax.lax.scan(body, init, tables)
