@@ -6,10 +6,12 @@ Without a checkpoint only shapes are computed (no memory is allocated for the we
 """
 
 from g2rpo_jax import config_lib
+from g2rpo_jax.rl import algorithms
 
 
-def get_config():
+def get_config(algorithm: str = "g2rpo"):
     config = config_lib.base_config()
+    config.algorithm = algorithms.preset(algorithm)
     config.model = config_lib.flux_model_config(dtype="bfloat16", param_dtype="float32",
                                                 remat_policy="dots_no_batch")
     config.mesh.data = 1

@@ -4,10 +4,12 @@
 """
 
 from g2rpo_jax import config_lib
+from g2rpo_jax.rl import algorithms
 
 
-def get_config():
+def get_config(algorithm: str = "g2rpo"):
     config = config_lib.base_config()
+    config.algorithm = algorithms.preset(algorithm)
     config.model = config_lib.flux_model_config(
         num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
         joint_attention_dim=64, pooled_projection_dim=32, in_channels=16,

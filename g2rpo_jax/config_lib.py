@@ -10,6 +10,7 @@ import ml_collections
 
 from g2rpo_jax.models import flux
 from g2rpo_jax.parallel import sharding
+from g2rpo_jax.rl import algorithms
 
 
 def flux_model_config(**overrides) -> ml_collections.ConfigDict:
@@ -45,6 +46,21 @@ def base_config() -> ml_collections.ConfigDict:
     # can stay empty (discovered from the environment).
     config.distributed = ml_collections.ConfigDict(
         dict(enabled=False, coordinator_address="", num_processes=-1, process_id=-1))
+
+    # The RL algorithm (G²RPO by default; baselines are presets of the same fields). Config
+    # files take a preset name as their argument: --config=configs/file.py:dance_grpo.
+    config.algorithm = algorithms.preset("g2rpo")
+    # Sampling (method.md): T steps, SD3 time shift, FLUX guidance embedding.
+    config.sampling = ml_collections.ConfigDict(dict(
+        num_steps=16, shift=3.0, guidance=3.5, quantize_timesteps=False))
+    # AdamW as in the paper; constant schedule, grad-norm clip 1.0.
+    config.optimizer = ml_collections.ConfigDict(dict(
+        learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
+        b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+    # steps_per_update: 1 = one optimizer step per trained k (reference code); K = one
+    # accumulated step over all k (on-policy). micro_batch_prompts: 0 = all prompts at once.
+    config.update_step = ml_collections.ConfigDict(dict(
+        steps_per_update=1, micro_batch_prompts=0, recompute_old_log_prob=False))
 
     # mode=describe: the dummy batch used to time one forward pass.
     config.describe = ml_collections.ConfigDict(dict(

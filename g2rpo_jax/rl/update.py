@@ -58,6 +58,15 @@ class UpdateSettings:
     quantize_timesteps: bool = False
 
 
+def settings_from_config(config) -> UpdateSettings:
+    """UpdateSettings from a full config (its `update_step` and `sampling` sections)."""
+    return UpdateSettings(
+        steps_per_update=config.update_step.steps_per_update,
+        micro_batch_prompts=config.update_step.micro_batch_prompts,
+        recompute_old_log_prob=config.update_step.recompute_old_log_prob,
+        guidance=config.sampling.guidance, quantize_timesteps=config.sampling.quantize_timesteps)
+
+
 def make_optimizer(config) -> optax.GradientTransformation:
     """AdamW with global-norm clipping and a schedule, from a config's `optimizer` section."""
     schedules = {

@@ -221,27 +221,29 @@ def test_flux_dev_parameter_count():
 # ------------------------------------------------------------------------------- bad inputs
 
 
-def test_missing_tensor_is_named(checkpoints, tmp_path):
+def _edited_copy(checkpoints, tmp_path, edit):
+    """A copy of the tiny diffusers checkpoint with its state dict passed through `edit`."""
     directory, _ = checkpoints["h2d16", True]
     broken = tmp_path / "broken"
     broken.mkdir()
     state = load_file(os.path.join(directory, "diffusion_pytorch_model.safetensors"))
-    del state["transformer_blocks.1.attn.to_k.weight"]
+    edit(state)
     save_file(state, broken / "diffusion_pytorch_model.safetensors")
     (broken / "config.json").write_text(open(os.path.join(directory, "config.json")).read())
+    return broken
+
+
+def test_missing_tensor_is_named(checkpoints, tmp_path):
+    broken = _edited_copy(checkpoints, tmp_path,
+                          lambda state: state.pop("transformer_blocks.1.attn.to_k.weight"))
     with pytest.raises(weights.CheckpointMismatchError,
                        match=r"missing tensor 'transformer_blocks\.1\.attn\.to_k\.weight'.*\(32, 32\)"):
         flux.from_pretrained(broken)
 
 
 def test_wrong_shape_names_both_shapes(checkpoints, tmp_path):
-    directory, _ = checkpoints["h2d16", True]
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    state = load_file(os.path.join(directory, "diffusion_pytorch_model.safetensors"))
-    state["context_embedder.weight"] = torch.zeros(32, 31)
-    save_file(state, broken / "diffusion_pytorch_model.safetensors")
-    (broken / "config.json").write_text(open(os.path.join(directory, "config.json")).read())
+    broken = _edited_copy(checkpoints, tmp_path, lambda state: state.update(
+        {"context_embedder.weight": torch.zeros(32, 31)}))
     with pytest.raises(weights.CheckpointMismatchError,
                        match=r"'context_embedder\.weight' has shape \(32, 31\).*needs \(32, 32\)"):
         flux.from_pretrained(broken)

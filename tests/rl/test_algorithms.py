@@ -73,3 +73,22 @@ def test_forward_pass_counts_match_method_cost_paragraph():
     assert dance.rollout_forward_passes(16) == {"useful": 192, "computed": 192}
     assert dance.update_forward_passes(16) == 10 * 12
     assert _algo("g2rpo").update_forward_passes(16) == 8  # one shared anchor pass per k
+
+
+@pytest.mark.parametrize("name", list(algorithms.PRESETS))
+def test_config_files_select_algorithms_by_argument(name):
+    import importlib.util
+    import os
+
+    from g2rpo_jax.rl import update
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "flux_tiny.py")
+    spec = importlib.util.spec_from_file_location("flux_tiny_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(name)
+    algo = algorithms.Algorithm.from_config(config.algorithm)
+    assert config.algorithm.name == name
+    assert algo == algorithms.Algorithm.from_config(algorithms.preset(name))
+    settings = update.settings_from_config(config)
+    assert settings.guidance == 3.5 and settings.steps_per_update == 1
