@@ -29,7 +29,6 @@ def main(_):
 
     jax.config.update("jax_num_cpu_devices", _DEVICES.value)
     from flax import nnx
-    import jax.numpy as jnp
     import ml_collections
 
     from g2rpo_jax import parallel
@@ -37,6 +36,7 @@ def main(_):
     from g2rpo_jax.rewards import synthetic
     from g2rpo_jax.rl import algorithms, iteration, update
     from g2rpo_jax.sampling import rollout, schedules
+    from g2rpo_jax.testing import tiny_rl
 
     print("Forward passes per prompt and iteration (T = 16, G = 12, k in 0..7):")
     sigmas16 = schedules.flux_sigmas(16, 3.0)
@@ -59,21 +59,12 @@ def main(_):
                   f"{passes['useful']:8d} {passes['computed']:9d} {pad:>6s} "
                   f"{algo.update_forward_passes(16):7d}")
 
-    cfg = flux.FluxConfig(num_layers=1, num_single_layers=1, attention_head_dim=8,
-                          num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=8,
-                          in_channels=4, axes_dims_rope=(2, 2, 4))
+    cfg = tiny_rl.TINY_FLUX
     mesh = parallel.make_mesh((-1, 1, 1))
-    p, t, n, text = _PROMPTS.value, _STEPS.value, 16, 4
+    p, t, n = _PROMPTS.value, _STEPS.value, 16
     sigmas = schedules.flux_sigmas(t, 3.0)
-    keys = jax.random.split(jax.random.key(0), 2)
-    token = jnp.arange(n)
-    cond = rollout.place_cond(dict(
-        txt=jax.random.normal(keys[0], (p, text, 16)), y=jax.random.normal(keys[1], (p, 8)),
-        txt_ids=jnp.zeros((text, 3)),
-        img_ids=jnp.stack([jnp.zeros(n), token // 4, token % 4], -1)), mesh)
-    opt_config = ml_collections.ConfigDict(dict(
-        learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
-        b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+    cond = tiny_rl.random_cond(mesh, p, n)
+    opt_config = ml_collections.ConfigDict(dict(tiny_rl.ADAMW, learning_rate=2e-6))
     print(f"\nOne iteration on a tiny FLUX, {jax.device_count()} CPU device(s), P={p}, T={t}, "
           f"G={_GROUP.value} (seconds):")
     print(f"  {'algorithm':14s} {'compile+run':>12s} {'run':>8s} {'rollout':>8s} {'update':>8s}")
@@ -83,7 +74,7 @@ def main(_):
         graphdef, params = nnx.split(flux.init_sharded(cfg, mesh, seed=0))
         optimizer = update.make_optimizer(opt_config)
         state = update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
-        rollout_fn = jax.jit(iteration.make_rollout_fn(graphdef, algo, sigmas, (n, 4),
+        rollout_fn = jax.jit(iteration.make_rollout_fn(graphdef, algo, sigmas, (n, cfg.in_channels),
                                                        synthetic.brightness, (1.0,), 3.5))
         update_fn = None
         times = []

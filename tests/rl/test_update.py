@@ -1,5 +1,6 @@
 """The RL iteration end to end on a tiny FLUX: ratio checks, gradient sign, sharding invariance."""
 
+import dataclasses
 
 from flax import nnx
 import jax
@@ -13,15 +14,12 @@ from g2rpo_jax.models import flux
 from g2rpo_jax.rewards import synthetic
 from g2rpo_jax.rl import algorithms, iteration, update
 from g2rpo_jax.sampling import rollout, schedules
+from g2rpo_jax.testing import tiny_rl
 
-CFG = flux.FluxConfig(num_layers=1, num_single_layers=1, attention_head_dim=8,
-                      num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=8,
-                      in_channels=4, axes_dims_rope=(2, 2, 4))
+CFG = tiny_rl.TINY_FLUX
 PROMPTS, STEPS, TOKENS, TEXT = 8, 6, 16, 4
 SIGMAS = schedules.flux_sigmas(STEPS, 3.0)
-OPTIMIZER = ml_collections.ConfigDict(dict(
-    learning_rate=1e-3, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9, b2=0.999,
-    eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+OPTIMIZER, SGD = tiny_rl.ADAMW, tiny_rl.SGD
 
 
 def _algo(name, **overrides):
@@ -33,41 +31,11 @@ def _algo(name, **overrides):
 
 
 def _cond(mesh):
-    keys = jax.random.split(jax.random.key(7), 2)
-    token = jnp.arange(TOKENS)
-    cond = dict(txt=jax.random.normal(keys[0], (PROMPTS, TEXT, CFG.joint_attention_dim)),
-                y=jax.random.normal(keys[1], (PROMPTS, CFG.pooled_projection_dim)),
-                txt_ids=jnp.zeros((TEXT, 3)),
-                img_ids=jnp.stack([jnp.zeros(TOKENS), token // 4, token % 4], -1))
-    return rollout.place_cond(cond, mesh)
+    return tiny_rl.random_cond(mesh, PROMPTS, TOKENS, TEXT)
 
 
-# Plain SGD through the same AdamW code (b1 = b2 = 0, eps = 1: update ≈ lr·g for small g), for
-# comparisons that Adam's first step (≈ lr·sign(g)) would blow up from rounding-level gradients.
-SGD = ml_collections.ConfigDict(dict(OPTIMIZER, learning_rate=1e-2, weight_decay=0.0, b1=0.0,
-                                     b2=0.0, eps=1.0, grad_clip_norm=1e9))
-
-
-def _run(algo, mesh, settings=None, reward_fn=synthetic.brightness, reward_weights=(1.0,),
-         optimizer_config=OPTIMIZER):
-    """One iteration: rollout → rewards → advantages → update; returns everything."""
-    settings = settings or update.UpdateSettings()
-    model = flux.init_sharded(CFG, mesh, seed=0)
-    graphdef, params = nnx.split(model)
-    optimizer = update.make_optimizer(optimizer_config)
-    state = update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
-    cond = _cond(mesh)
-    rollout_fn = jax.jit(iteration.make_rollout_fn(
-        graphdef, algo, SIGMAS, (TOKENS, CFG.in_channels), reward_fn, reward_weights,
-        guidance=3.5))
-    with jax.set_mesh(mesh):
-        batch, stats = rollout_fn(state.params, cond, jax.random.key(0), 0)
-        before = jax.tree.map(np.asarray, state.params)
-        update_fn = update.jit_update(
-            update.make_update_fn(graphdef, optimizer, algo, settings, SIGMAS), state, batch, cond)
-        state, metrics = update_fn(state, batch, cond)
-    return dict(batch=batch, stats=stats, state=state, metrics=metrics, before=before,
-                graphdef=graphdef, cond=cond)
+def _run(algo, mesh, settings=None, **kwargs):
+    return tiny_rl.run_iteration(algo, mesh, SIGMAS, PROMPTS, TOKENS, settings, **kwargs)
 
 
 ALL = ["g2rpo", "g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo"]
@@ -232,3 +200,15 @@ def test_update_settings_errors():
         update.make_optimizer(ml_collections.ConfigDict(dict(OPTIMIZER, schedule="magic")))
 
 
+
+
+def test_bfloat16_ratio_is_one_with_recomputed_old_log_probs():
+    """In bf16 the rollout's batch shapes round differently from the update's (the peers'
+    DanceGRPO #57); re-scoring the stored transitions in the update's layout makes the first
+    ratio exactly 1, and the rollout-vs-update gap is reported."""
+    out = _run(_algo("g2rpo"), parallel.make_mesh((2, 4, 1)),
+               update.UpdateSettings(micro_batch_prompts=2, recompute_old_log_prob=True),
+               model_config=dataclasses.replace(CFG, dtype="bfloat16"))
+    summary = update.summarize(out["metrics"])
+    assert summary["first_update_log_ratio_abs_max"] < 1e-6
+    assert np.isfinite(summary["rollout_log_prob_gap"])
