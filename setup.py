@@ -18,6 +18,8 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "ml_dtypes==0.7.0",
     "tqdm==4.70.1",
+    # tensorflow-datasets imports it for builders, without declaring it.
+    "importlib_resources==7.1.0",
 ]
 
 # Reference libraries used only by the tests (parity oracles), plus the runner.
