@@ -1,0 +1,464 @@
+"""CLIP rewards: preprocessing against the reference pipelines, scoring rules, end-to-end parity
+with the references on tiny models, the registry, and the remote reward on a loopback server.
+
+References: torchvision-on-PIL preprocessing is written with PIL + numpy (torchvision resizes a
+PIL image with `Image.resize(..., BICUBIC)`, crops at round((H - 224) / 2) and divides by 255;
+torchvision itself is not installed, see tests/models/test_clip.py), PickScore's with
+transformers' PIL image processor, models with transformers.
+"""
+
+import base64
+import http.server
+import io
+import json
+import socket
+import threading
+import time
+
+from flax import nnx
+import jax
+import numpy as np
+from PIL import Image
+import pytest
+import torch
+
+from g2rpo_jax.models import clip, clip_text
+from g2rpo_jax.models.safetensors_io import write_safetensors
+from g2rpo_jax.rewards import clip_rewards as cr
+from g2rpo_jax.rewards import registry
+
+MEAN = np.asarray(cr.OPENAI_CLIP_MEAN, np.float32)
+STD = np.asarray(cr.OPENAI_CLIP_STD, np.float32)
+# (720, 720): the training resolution; odd sizes exercise the crop rounding and upscaling.
+SIZES = [(720, 720), (241, 322), (96, 128)]
+
+
+def known_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A fixed 8-bit test picture: smooth waves, a hard-edged checkerboard, a ramp, noise."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    red = 0.5 + 0.5 * np.sin(xx / 7.0) * np.cos(yy / 11.0)
+    green = ((xx // 16 + yy // 16) % 2) * 0.8 + 0.1
+    blue = np.clip((xx + yy) / (height + width), 0.0, 1.0)
+    noise = 0.05 * np.random.default_rng(seed).standard_normal((height, width, 3))
+    image = np.stack([red, green, blue], axis=-1) + noise
+    return np.round(np.clip(image, 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+def reference_pixels(image: np.ndarray, mode: str = "shortest") -> np.ndarray:
+    """torchvision's Resize(224, BICUBIC) + CenterCrop(224) (or, mode="squash", Resize((224,
+    224))) + ToTensor + Normalize(OpenAI) on a PIL image, as [224, 224, 3]."""
+    pil = Image.fromarray(image)
+    w, h = pil.size
+    if mode == "squash":
+        nh, nw = 224, 224
+    elif h <= w:
+        nh, nw = 224, int(224 * w / h)
+    else:
+        nh, nw = int(224 * h / w), 224
+    resized = pil.resize((nw, nh), Image.BICUBIC)
+    top, left = int(round((nh - 224) / 2.0)), int(round((nw - 224) / 2.0))
+    cropped = resized.crop((left, top, left + 224, top + 224))
+    return (np.asarray(cropped, np.float32) / 255.0 - MEAN) / STD
+
+
+def _err(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing.
+
+
+@pytest.mark.parametrize("shape", SIZES)
+def test_pil_resample_is_the_torchvision_pil_pipeline(shape):
+    """HPS-v2.1 / aesthetic (shortest side + centre crop) and DFN5B (squash), bit for bit."""
+    image = known_image(*shape)
+    for spec, mode in ((cr.HPS_PREPROCESS, "shortest"), (cr.CLIP_SCORE_PREPROCESS, "squash")):
+        got = np.asarray(cr.preprocess(image[None] / 255.0, spec))[0]
+        err = _err(got, reference_pixels(image, mode))
+        print(f"{shape} {mode}: max abs err vs torchvision-on-PIL {err:.1e}")
+        assert err <= 1e-5  # float rounding of the normalisation only: the 8-bit pixels agree
+
+
+@pytest.mark.parametrize("shape", [(720, 720), (241, 322)])
+def test_pickscore_preprocessing_is_the_transformers_processor(shape):
+    from transformers import CLIPImageProcessorPil  # PickScore's (PIL) CLIPImageProcessor
+
+    image = known_image(*shape)
+    expected = CLIPImageProcessorPil()(Image.fromarray(image), return_tensors="np")
+    expected = np.transpose(expected["pixel_values"][0], (1, 2, 0))
+    got = np.asarray(cr.preprocess(image[None] / 255.0, cr.PICKSCORE_PREPROCESS))[0]
+    err = _err(got, expected)
+    print(f"{shape} PickScore: max abs err vs transformers CLIPImageProcessorPil {err:.1e}")
+    assert err <= 1e-5
+
+
+def test_float_resample_measured_against_references():
+    """jax.image.resize's antialiased bicubic (resample="float") against float PIL, torch's
+    antialiased bicubic, and the 8-bit references (normalised units; x0.27 for [0, 1] units)."""
+    import torch.nn.functional as F
+
+    spec = cr.Preprocess(resample="float")
+    for shape in SIZES:
+        image = known_image(*shape)
+        nh, nw = spec.resized_shape(*shape)
+        top, left = spec.crop_offset(nh), spec.crop_offset(nw)
+        got = np.asarray(cr.preprocess(image[None] / 255.0, spec))[0]
+        float_pil = np.stack([np.asarray(Image.fromarray(image[..., c] / np.float32(255), "F")
+                                         .resize((nw, nh), Image.BICUBIC)) for c in range(3)], -1)
+        tensor = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255.0
+        torch_aa = F.interpolate(tensor, size=(nh, nw), mode="bicubic", antialias=True,
+                                 align_corners=False)[0].permute(1, 2, 0).numpy()
+        crop = (slice(top, top + 224), slice(left, left + 224))
+        errors = {"float PIL": _err(got, (float_pil[crop] - MEAN) / STD),
+                  "torch antialias": _err(got, (torch_aa[crop] - MEAN) / STD)}
+        diff = np.abs(got - reference_pixels(image))
+        print(f"{shape} float resample: max abs err vs float PIL {errors['float PIL']:.1e}, vs "
+              f"torch bicubic antialias {errors['torch antialias']:.1e}; vs 8-bit PIL max "
+              f"{diff.max():.3f} mean {diff.mean():.4f}")
+        assert max(errors.values()) <= 1e-4
+        # 8-bit rounding twice, plus the references' clamping of bicubic overshoot at hard edges
+        # (large when upscaling a checkerboard); at the training size it stays about 2/255.
+        assert diff.mean() <= 0.01
+        if shape == (720, 720):
+            assert diff.max() <= 0.03
+
+
+def test_preprocess_errors():
+    with pytest.raises(ValueError, match="resample"):
+        cr.Preprocess(resample="lanczos")
+    with pytest.raises(ValueError, match="height, width, 3"):
+        cr.preprocess(np.zeros((2, 8, 8)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models, written by the reference libraries.
+
+
+def byte_level_tokenizer():
+    """A CLIP tokenizer with only the byte symbols (no merges): ids 0..513, 513 = end token."""
+    from transformers import CLIPTokenizer
+
+    symbols = list(clip_text._bytes_to_unicode().values())
+    vocab = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[])
+
+
+def tiny_clip(projection_dim: int, seed: int):
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=77, eos_token_id=513,
+                         bos_token_id=512, pad_token_id=513, hidden_act="gelu"),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=224, patch_size=32, hidden_act="gelu"),
+        projection_dim=projection_dim)
+    torch.manual_seed(seed)
+    model = CLIPModel(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def hf_to_open_clip(sd) -> dict[str, np.ndarray]:
+    """transformers CLIPModel → OpenCLIP keys (the mapping documented in tests/models/test_clip)."""
+    sd = {k: v.detach().numpy() for k, v in sd.items() if not k.endswith("position_ids")}
+    out = {"token_embedding.weight": sd["text_model.embeddings.token_embedding.weight"],
+           "positional_embedding": sd["text_model.embeddings.position_embedding.weight"],
+           "text_projection": sd["text_projection.weight"].T,
+           "visual.conv1.weight": sd["vision_model.embeddings.patch_embedding.weight"],
+           "visual.class_embedding": sd["vision_model.embeddings.class_embedding"],
+           "visual.positional_embedding": sd["vision_model.embeddings.position_embedding.weight"],
+           "visual.proj": sd["visual_projection.weight"].T, "logit_scale": sd["logit_scale"]}
+    renames = {"text_model.final_layer_norm": "ln_final", "vision_model.pre_layrnorm": "visual.ln_pre",
+               "vision_model.post_layernorm": "visual.ln_post"}
+    for tower, target in (("text_model", "transformer"), ("vision_model", "visual.transformer")):
+        for i in range(2):
+            src, dst = f"{tower}.encoder.layers.{i}", f"{target}.resblocks.{i}"
+            renames.update({f"{src}.self_attn.out_proj": f"{dst}.attn.out_proj",
+                            f"{src}.layer_norm1": f"{dst}.ln_1", f"{src}.layer_norm2": f"{dst}.ln_2",
+                            f"{src}.mlp.fc1": f"{dst}.mlp.c_fc", f"{src}.mlp.fc2": f"{dst}.mlp.c_proj"})
+            for leaf in ("weight", "bias"):
+                out[f"{dst}.attn.in_proj_{leaf}"] = np.concatenate(
+                    [sd[f"{src}.self_attn.{p}_proj.{leaf}"] for p in "qkv"])
+    for src, dst in renames.items():
+        for leaf in ("weight", "bias"):
+            out[f"{dst}.{leaf}"] = sd[f"{src}.{leaf}"]
+    return {k: np.asarray(v, order="C") for k, v in out.items()}
+
+
+TINY_CONFIG = clip.CLIPConfig(
+    text=clip.TextConfig(vocab_size=514, width=32, heads=4, layers=2, mlp_dim=64, act="gelu"),
+    vision=clip.VisionConfig(width=32, heads=4, layers=2, mlp_dim=64, patch_size=32, act="gelu"),
+    projection_dim=16)
+PROMPTS = ["a red cat", "two dogs playing in the snow, photograph"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Checkpoints on disk in each reward's published format, the torch models and images."""
+    root = tmp_path_factory.mktemp("rewards")
+    byte_level_tokenizer().save_pretrained(root / "tokenizer")
+    model = tiny_clip(16, seed=0)
+    # HPS-v2.1's format: a torch pickle {"state_dict": OpenCLIP keys}.
+    torch.save({"state_dict": {k: torch.from_numpy(v) for k, v in
+                               hf_to_open_clip(model.state_dict()).items()}}, root / "hps.pt")
+    write_safetensors(root / "dfn5b.safetensors", hf_to_open_clip(model.state_dict()))
+    # DFN5B's hub folder: open_clip_config.json (model and preprocessing) + weights.
+    (root / "dfn5b").mkdir()
+    write_safetensors(root / "dfn5b" / "open_clip_model.safetensors",
+                      hf_to_open_clip(model.state_dict()))
+    (root / "dfn5b" / "open_clip_config.json").write_text(json.dumps({
+        "model_cfg": {"embed_dim": 16,
+                      "vision_cfg": {"image_size": 224, "layers": 2, "width": 32, "head_width": 8,
+                                     "patch_size": 32, "mlp_ratio": 2.0},
+                      "text_cfg": {"context_length": 77, "vocab_size": 514, "width": 32,
+                                   "heads": 4, "layers": 2, "mlp_ratio": 2.0}},
+        "preprocess_cfg": {"mean": list(cr.OPENAI_CLIP_MEAN), "std": list(cr.OPENAI_CLIP_STD),
+                           "interpolation": "bicubic", "resize_mode": "squash"}}))
+    # PickScore's: a transformers CLIPModel folder (here with its tokenizer in it).
+    model.save_pretrained(root / "pickscore", safe_serialization=True)
+    byte_level_tokenizer().save_pretrained(root / "pickscore")
+    # The aesthetic predictor: a 768-d CLIP image tower + LAION's MLP state dict (.pth).
+    aesthetic_clip = tiny_clip(768, seed=1)
+    aesthetic_clip.save_pretrained(root / "clip_l14", safe_serialization=True)
+    head = LaionMLP()
+    torch.save(head.state_dict(), root / "aesthetic.pth")
+    images = np.stack([known_image(241, 322, seed=s) for s in (1, 2)]) / 255.0
+    return dict(root=root, model=model, aesthetic_clip=aesthetic_clip, head=head,
+                images=images.astype(np.float32))
+
+
+class LaionMLP(torch.nn.Module):
+    """improved-aesthetic-predictor's MLP (its state-dict keys: layers.{0,2,4,6,7})."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(768, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
+            torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1),
+            torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+        with torch.no_grad():  # weights large enough that the image changes the score
+            for layer in self.layers:
+                if isinstance(layer, torch.nn.Linear):
+                    layer.weight.normal_(0.0, 3.0 / layer.in_features ** 0.5)
+                    layer.bias.normal_(0.0, 0.1)
+        self.eval()
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _reference_features(model, images: np.ndarray, prompts, mode="shortest", pixels=None):
+    """Normalised (image, text) features of the torch model on the reference pipeline."""
+    if pixels is None:
+        pixels = np.stack([reference_pixels(np.round(im * 255).astype(np.uint8), mode)
+                           for im in images])
+    tokenizer = byte_level_tokenizer()
+    ids = torch.from_numpy(clip_text.tokenize(tokenizer, prompts).astype(np.int64))
+    with torch.no_grad():
+        image = model.get_image_features(
+            pixel_values=torch.from_numpy(pixels).permute(0, 3, 1, 2)).pooler_output
+        text = model.get_text_features(input_ids=ids).pooler_output
+    return (torch.nn.functional.normalize(image, dim=-1).numpy(),
+            torch.nn.functional.normalize(text, dim=-1).numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end, against the reference pipelines.
+
+
+@pytest.mark.parametrize("name", ["hps", "clip_score"])
+def test_open_clip_rewards_match_reference(setup, name):
+    root = setup["root"]
+    if name == "hps":
+        reward = registry.get("hps", root / "hps.pt", tokenizer=root / "tokenizer",
+                              config=TINY_CONFIG)
+    else:  # the hub folder: config and preprocessing from its open_clip_config.json
+        reward = registry.get("clip_score", root / "dfn5b", tokenizer=root / "tokenizer")
+        assert reward.preprocess == cr.CLIP_SCORE_PREPROCESS
+    got = np.asarray(reward(setup["images"], PROMPTS))
+    image, text = _reference_features(setup["model"], setup["images"], PROMPTS,
+                                      "shortest" if name == "hps" else "squash")
+    expected = np.sum(image * text, axis=-1)  # HPSv2: diagonal(image @ text.T), no scale
+    print(f"{name}: {got} vs reference {expected}: max abs err {_err(got, expected):.1e}")
+    assert got.shape == (2,) and got.dtype == np.float32
+    assert _err(got, expected) <= 1e-5
+    # The image side is one jittable function of (state, images, token ids).
+    ids = reward.tokenize(PROMPTS)
+    again = jax.jit(reward.apply)(reward.state, setup["images"], ids)
+    np.testing.assert_allclose(np.asarray(again), got, atol=1e-6)
+
+
+def test_pickscore_matches_reference(setup):
+    from transformers import CLIPImageProcessorPil
+
+    reward = registry.get("pickscore", setup["root"] / "pickscore")  # tokenizer from the folder
+    got = np.asarray(reward(setup["images"], PROMPTS))
+    processor = CLIPImageProcessorPil()
+    pixels = np.stack([np.transpose(processor(Image.fromarray(np.round(im * 255).astype(np.uint8)),
+                                              return_tensors="np")["pixel_values"][0], (1, 2, 0))
+                       for im in setup["images"]])
+    image, text = _reference_features(setup["model"], setup["images"], PROMPTS, pixels=pixels)
+    expected = setup["model"].logit_scale.exp().item() * np.sum(image * text, axis=-1)
+    print(f"pickscore: {got} vs reference {expected}: max abs err {_err(got, expected):.1e}")
+    assert _err(got, expected) <= 1e-4
+
+
+def test_aesthetic_matches_reference(setup):
+    root = setup["root"]
+    reward = registry.get("aesthetic", root / "aesthetic.pth", clip_path=root / "clip_l14")
+    got = np.asarray(reward(setup["images"], PROMPTS))
+    pixels = np.stack([reference_pixels(np.round(im * 255).astype(np.uint8))
+                       for im in setup["images"]])
+    with torch.no_grad():
+        features = setup["aesthetic_clip"].get_image_features(
+            pixel_values=torch.from_numpy(pixels).permute(0, 3, 1, 2)).pooler_output.numpy()
+        features = features / np.linalg.norm(features, axis=-1, keepdims=True)  # LAION's normalized()
+        expected = setup["head"](torch.from_numpy(features))[:, 0].numpy()
+    err = _err(got, expected) / np.abs(expected).max()
+    print(f"aesthetic: {got} vs reference {expected}: max rel err {err:.1e}")
+    assert abs(expected[0] - expected[1]) > 1e-2 * np.abs(expected).max()
+    assert err <= 1e-5
+
+
+def test_scoring_rules_on_hand_computed_features(setup):
+    """HPS / CLIP score = dot of L2-normalised features; PickScore = exp(logit_scale) · that."""
+    root = setup["root"]
+    hps = registry.get("hps", root / "hps.pt", tokenizer=root / "tokenizer", config=TINY_CONFIG)
+    model = nnx.merge(hps.graphdef, hps.state)
+    pick = cr.ClipReward(model, hps.tokenizer, preprocess=cr.HPS_PREPROCESS, scale="logit_scale",
+                         name="pickscore")
+    pixels = np.asarray(jax.jit(cr.preprocess)(setup["images"]))
+    ids = hps.tokenize(PROMPTS)
+
+    @jax.jit
+    def features(state, pixels, ids):
+        m = nnx.merge(hps.graphdef, state)
+        return m.encode_image(pixels), m.encode_text(ids), m.logit_scale[...]
+
+    image, text, logit_scale = (np.asarray(a, np.float64) for a in features(hps.state, pixels, ids))
+    cosine = np.sum(image * text, -1) / (np.linalg.norm(image, axis=-1) *
+                                         np.linalg.norm(text, axis=-1))
+    np.testing.assert_allclose(jax.jit(hps.score_pixels)(hps.state, pixels, ids), cosine,
+                               atol=1e-6)
+    np.testing.assert_allclose(jax.jit(pick.score_pixels)(pick.state, pixels, ids),
+                               np.exp(logit_scale) * cosine, rtol=1e-5)
+    assert np.all(np.abs(cosine) <= 1.0)
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        hps(setup["images"], ["only one"])
+
+
+def test_reward_factories_explain_what_is_missing(setup):
+    with pytest.raises(ValueError, match="needs tokenizer="):
+        registry.get("hps", setup["root"] / "hps.pt", config=TINY_CONFIG)
+    with pytest.raises(ValueError, match="768-d"):
+        registry.get("aesthetic", setup["root"] / "aesthetic.pth",
+                     clip_path=setup["root"] / "pickscore")
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry.
+
+
+def test_registry_names_and_errors():
+    assert {"hps", "clip_score", "pickscore", "aesthetic", "remote"} <= set(registry.names())
+    with pytest.raises(KeyError) as info:
+        registry.get("imagereward", "somewhere")
+    assert "'imagereward'" in str(info.value) and "'pickscore'" in str(info.value)
+    factory = lambda path=None, scale=1.0: (lambda images, prompts: scale * np.ones(len(prompts)))
+    registry.register("test_constant", factory)
+    try:
+        assert list(registry.get("test_constant", scale=2.0)(None, ["a", "b"])) == [2.0, 2.0]
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register("test_constant", factory)
+        registry.register("test_constant", factory, overwrite=True)
+    finally:
+        registry._FACTORIES.pop("test_constant", None)
+    with pytest.raises(ValueError, match="needs its endpoint"):
+        registry.get("remote")
+
+
+# ---------------------------------------------------------------------------------------------
+# The remote reward, against a scoring server on 127.0.0.1 (loopback only, a handful of requests).
+
+
+class _ScoringHandler(http.server.BaseHTTPRequestHandler):
+    """Scores = mean pixel value in [0, 1] + number of characters of the prompt."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/error":
+            return self._send(500, b"the model crashed")
+        if self.path == "/slow":
+            time.sleep(1.0)
+        if self.headers["Content-Type"] == "application/json":
+            request = json.loads(body)
+            images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(i)))) for i in
+                      request["images"]]
+            prompts = request["prompts"]
+        else:
+            archive = np.load(io.BytesIO(body), allow_pickle=False)
+            images, prompts = list(archive["images"]), [str(p) for p in archive["prompts"]]
+        scores = [float(im.mean()) / 255.0 + len(p) for im, p in zip(images, prompts, strict=True)]
+        if self.path == "/short":
+            scores = scores[:-1]
+        self._send(200, json.dumps({"scores": scores}).encode())
+
+    def _send(self, status, payload: bytes):
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        try:
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+            pass
+
+    def log_message(self, *args):  # keep the test output quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ScoringHandler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("image_format", ["png", "npz"])
+def test_remote_reward_round_trip(server, image_format):
+    images = np.stack([known_image(24, 32, seed=s) for s in (3, 4)]) / 255.0
+    prompts = ["a cat", "a much longer prompt"]
+    reward = registry.get("remote", url=server + "/score", image_format=image_format, timeout=10)
+    got = reward(jax.numpy.asarray(images), prompts)
+    pixels = np.round(images * 255.0)
+    expected = [pixels[i].mean() / 255.0 + len(p) for i, p in enumerate(prompts)]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert got.dtype == np.float32
+
+
+def test_remote_reward_errors(server):
+    images = np.zeros((2, 8, 8, 3), np.float32)
+    prompts = ["a", "b"]
+    with pytest.raises(registry.RemoteRewardError, match="HTTP 500.*the model crashed"):
+        registry.get("remote", server + "/error")(images, prompts)
+    with pytest.raises(registry.RemoteRewardError, match="expected .*2 numbers"):
+        registry.get("remote", server + "/short")(images, prompts)
+    with pytest.raises(registry.RemoteRewardError, match="no answer within 0.3 s"):
+        registry.get("remote", server + "/slow", timeout=0.3)(images, prompts)
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(registry.RemoteRewardError, match="cannot connect"):
+        registry.get("remote", f"http://127.0.0.1:{closed}/score", timeout=2)(images, prompts)
+    with pytest.raises(ValueError, match="http"):
+        registry.get("remote", url="ftp://example")
