@@ -18,6 +18,10 @@ INSTALL_REQUIRES = [
     "numpy==2.4.6",
     "ml_dtypes==0.7.0",
     "tqdm==4.70.1",
+    # Run logs and pictures: TensorBoard event files without TensorFlow, plots, image grids.
+    "tensorboardX==2.6.5",
+    "matplotlib==3.11.2",
+    "pillow==13.0.0",
     # tensorflow-datasets imports it for builders, without declaring it.
     "importlib_resources==7.1.0",
 ]
@@ -28,6 +32,10 @@ TEST_REQUIRES = [
     "pytest-xdist==3.8.0",
     "torch==2.13.0",
     "diffusers==0.42.1",
+    # open_clip_torch==3.3.0 (the OpenCLIP reference) is installed with --no-deps by the test
+    # command: its PyPI torchvision is a CUDA build that breaks the CPU torch. These are the
+    # dependencies it needs that nothing else brings.
+    "ftfy==6.3.1",
 ]
 
 setuptools.setup(

@@ -7,6 +7,8 @@ command line (e.g. `--config.model.num_layers=2 --config.mesh.fsdp=4`). `config.
 what runs:
   describe  build the mesh and the model, report parameter counts and shardings, and time one
             forward pass on a dummy batch (writes DIR/describe.json).
+  pretrain  flow-matching pre-training of a generator (g2rpo_jax/pretrain.py).
+  train     RL fine-tuning of a generator with the configured algorithm (g2rpo_jax/train.py).
 """
 
 import json
@@ -119,12 +121,35 @@ def describe(config, workdir: str, mesh, rules) -> dict:
     return report
 
 
-MODES = {"describe": describe}
+def pretrain(config, workdir: str, mesh, rules) -> dict:
+    from g2rpo_jax import pretrain as pretrain_lib
+
+    return pretrain_lib.pretrain(config, workdir, mesh, rules)
+
+
+def train(config, workdir: str, mesh, rules) -> dict:
+    from g2rpo_jax import train as train_lib
+
+    return train_lib.train(config, workdir, mesh, rules)
+
+
+MODES = {"describe": describe, "pretrain": pretrain, "train": train}
+
+
+def _quiet_library_logs() -> None:
+    """Orbax logs every step of a checkpoint write at INFO; keep its warnings, drop the rest."""
+    import logging as std_logging
+
+    def keep(record) -> bool:
+        return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+
+    logging.get_absl_handler().addFilter(keep)
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    _quiet_library_logs()
     config = _CONFIG.value
     if config.mode not in MODES:
         raise app.UsageError(f"Unknown mode {config.mode!r}; choose one of {sorted(MODES)}.")

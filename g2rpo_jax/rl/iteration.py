@@ -1,7 +1,8 @@
 """One RL iteration's rollout side: sample, score, form advantages, package the TrainBatch.
 
 `make_rollout_fn` returns a pure function of (params, cond, key, iteration) that the caller
-jits once; the algorithm's fields (not its name) decide the rollout shape:
+jits once; `make_rollout_stages` gives the same as two functions around the reward, for rewards
+computed on the host. The algorithm's fields (not its name) decide the rollout shape:
 
   singular   [P] anchors → [K, P, G] branches → [K, J, P, G] finals → rewards [K, J, R, P, G]
              → advantages integrated over the J·R scales (vmap) → [K, P, G]
@@ -32,17 +33,21 @@ def continuation_plan(algo: Algorithm, sigmas) -> rollout.ContinuationPlan:
                                       algo.end_at_zero, algo.packing, algo.max_lanes or None)
 
 
-def make_rollout_fn(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, int],
-                    reward_fn: RewardFn, reward_weights, guidance: float | None,
-                    quantize_timesteps: bool = False) -> Callable:
-    """Builds `rollout_fn(params, cond, key, iteration) -> (TrainBatch, stats)`.
+def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, int],
+                        reward_weights, guidance: float | None,
+                        quantize_timesteps: bool = False) -> tuple[Callable, Callable]:
+    """The rollout in two pure stages around the reward, so that a reward computed on the host
+    (a verifier in numpy, a remote model) runs between two jitted programs rather than as a
+    callback inside one sharded program:
+
+      sample(params, cond, key, iteration) -> (finals [P, M, N, C], carry)
+      finish(scores [R, P, M], carry) -> (TrainBatch, stats)
 
     Args:
-      graphdef: the policy's nnx graphdef (params are passed to the returned function).
+      graphdef: the policy's nnx graphdef (params are passed to `sample`).
       algo: the algorithm.
       sigmas: [T+1] concrete schedule.
       latent_shape: (N, C) of one sample's packed latents.
-      reward_fn: see the module docstring.
       reward_weights: [R] weights of the reward models in the advantage.
       guidance: FLUX guidance-embedding value, or None.
       quantize_timesteps: the reference code's int(σ·1000)/1000 model timesteps.
@@ -61,7 +66,7 @@ def make_rollout_fn(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, 
         return rollout.make_velocity_fn(nnx.merge(graphdef, params), cond, guidance,
                                         quantize_timesteps)
 
-    def singular(params, cond, key, iteration):
+    def singular_sample(params, cond, key, iteration):
         del iteration
         sig = jnp.asarray(sigmas_np)
         velocity = velocity_fn(params, cond)
@@ -76,23 +81,27 @@ def make_rollout_fn(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, 
         k, j = finals.shape[:2]
         # Prompt-major for the reward: [P, K·J·G, N, C].
         per_prompt = jnp.moveaxis(finals, 2, 0).reshape(p, k * j * g, *latent_shape)
-        scores = reward_fn(per_prompt, cond)                       # [R, P, K·J·G]
+        ks = jnp.asarray(algo.branch_steps, jnp.int32)
+        carry = TrainBatch(x=xs[ks], x_next=branch_x, step=ks, old_log_prob=old_log_prob,
+                           advantages=jnp.zeros(branch_x.shape[:3], jnp.float32))
+        return per_prompt, carry
+
+    def singular_finish(scores, carry):
+        k, p = carry.x_next.shape[:2]
+        j = len(algo.granularities)
         r = scores.shape[0]
         rewards = jnp.moveaxis(scores.reshape(r, p, k, j, g), (2, 3), (0, 1))  # [K, J, R, P, G]
         scales = jnp.moveaxis(rewards, 0, 2).reshape(j * r, k, p, g)           # [J·R, K, P, G]
         weights = adv_lib.scale_weights(jnp.asarray(algo.granularity_weights), reward_weights)
         advantages = adv_lib.integrate_advantages(scales, weights, clip=algo.advantage_clip)
-        ks = jnp.asarray(algo.branch_steps, jnp.int32)
-        batch = TrainBatch(x=xs[ks], x_next=branch_x, step=ks, old_log_prob=old_log_prob,
-                           advantages=advantages)
         finest = int(np.argmin(algo.granularities))
         stats = {"rewards": rewards,
                  "reward_mean": jnp.mean(rewards[:, finest], axis=(0, 2, 3)),
                  "reward_std": jnp.mean(jnp.std(rewards[:, finest], axis=-1, ddof=1),
                                         axis=(0, 2))}
-        return batch, stats
+        return carry.replace(advantages=advantages), stats
 
-    def trajectory(params, cond, key, iteration):
+    def trajectory_sample(params, cond, key, iteration):
         sig = jnp.asarray(sigmas_np)
         velocity = velocity_fn(params, cond)
         p = cond["y"].shape[0]
@@ -106,17 +115,39 @@ def make_rollout_fn(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, 
         mask = algo.sde_mask(iteration, num_steps)
         xs, log_probs = rollout.sde_trajectory(velocity, x_init, sig, mask, algo.eta, sde_key,
                                                algo.sde_step, algo.log_prob_reduce)
-        rewards = reward_fn(xs[-1], cond)                           # [R, P, G]
+        trained = algo.trained_steps(pick_key, iteration, num_steps)
+        carry = (TrainBatch(x=xs[trained], x_next=xs[trained + 1], step=trained,
+                            old_log_prob=log_probs[trained],
+                            advantages=jnp.zeros((trained.shape[0], p, g), jnp.float32)), mask)
+        return xs[-1], carry
+
+    def trajectory_finish(scores, carry):
+        batch, mask = carry
+        rewards = scores                                            # [R, P, G]
         advantages = adv_lib.integrate_advantages(rewards, reward_weights,
                                                   clip=algo.advantage_clip)   # [P, G]
-        trained = algo.trained_steps(pick_key, iteration, num_steps)
-        num_k = trained.shape[0]
-        batch = TrainBatch(x=xs[trained], x_next=xs[trained + 1], step=trained,
-                           old_log_prob=log_probs[trained],
-                           advantages=jnp.broadcast_to(advantages, (num_k, p, g)))
         stats = {"rewards": rewards, "reward_mean": jnp.mean(rewards, axis=(1, 2)),
                  "reward_std": jnp.mean(jnp.std(rewards, axis=-1, ddof=1), axis=1),
                  "sde_mask": mask}
-        return batch, stats
+        return batch.replace(advantages=jnp.broadcast_to(advantages, batch.advantages.shape)), \
+            stats
 
-    return singular if algo.rollout == "singular" else trajectory
+    if algo.rollout == "singular":
+        return singular_sample, singular_finish
+    return trajectory_sample, trajectory_finish
+
+
+def make_rollout_fn(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, int],
+                    reward_fn: RewardFn, reward_weights, guidance: float | None,
+                    quantize_timesteps: bool = False) -> Callable:
+    """`rollout_fn(params, cond, key, iteration) -> (TrainBatch, stats)`: the two stages of
+    `make_rollout_stages` joined by a traceable `reward_fn` (see the module docstring), so the
+    whole iteration can be one jit."""
+    sample, finish = make_rollout_stages(graphdef, algo, sigmas, latent_shape, reward_weights,
+                                         guidance, quantize_timesteps)
+
+    def rollout_fn(params, cond, key, iteration):
+        finals, carry = sample(params, cond, key, iteration)
+        return finish(reward_fn(finals, cond), carry)
+
+    return rollout_fn

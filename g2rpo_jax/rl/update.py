@@ -77,6 +77,9 @@ def make_optimizer(config) -> optax.GradientTransformation:
         "warmup_cosine": lambda: optax.warmup_cosine_decay_schedule(
             0.0, config.learning_rate, config.warmup_steps, config.decay_steps),
     }
+    if config.schedule == "warmup_cosine" and config.decay_steps <= config.warmup_steps:
+        raise ValueError(f"optimizer.decay_steps ({config.decay_steps}, the schedule's total "
+                         f"length) must exceed optimizer.warmup_steps ({config.warmup_steps}).")
     if config.schedule not in schedules:
         raise ValueError(f"Unknown learning-rate schedule {config.schedule!r}; use one of "
                          f"{sorted(schedules)}.")

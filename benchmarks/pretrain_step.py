@@ -1,0 +1,59 @@
+"""Times one flow-matching pre-training step of the embedded world's generator.
+
+  python benchmarks/pretrain_step.py [--batch=64] [--override model.num_layers=3 ...]
+"""
+
+import argparse
+import time
+
+from flax import nnx
+import jax
+import numpy as np
+
+from g2rpo_jax import config_lib, generator, parallel, pretrain
+from g2rpo_jax.data import world
+from g2rpo_jax.rl import update as update_lib
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--override", nargs="*", default=[],
+                        help="config fields, e.g. model.num_layers=3")
+    args = parser.parse_args()
+    config = config_lib.shapes_config()
+    for item in args.override:
+        name, value = item.split("=")
+        section, field = name.split(".")
+        config[section][field] = type(config[section][field])(value)
+    mesh = parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    gen = generator.build_generator(config, mesh)
+    optimizer = update_lib.make_optimizer(config.optimizer)
+    fg, fp = nnx.split(gen.flux, nnx.Param)
+    eg, ep = nnx.split(gen.text_encoder, nnx.Param)
+    params = {"flux": fp, "text_encoder": ep}
+    opt_state = jax.jit(optimizer.init)(params)
+    step = jax.jit(pretrain.make_train_step(fg, eg, gen.autoencoder, optimizer))
+    rng = np.random.default_rng(0)
+    prompts = [world.all_prompts()[i] for i in rng.integers(0, 975, args.batch)]
+    images = np.stack([world.render_prompt(p, rng) for p in prompts])
+    ids, mask = gen.tokenize(prompts)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    start = time.perf_counter()
+    params, opt_state, loss = step(params, opt_state, images, ids, mask, jax.random.key(0))
+    loss.block_until_ready()
+    compile_s = time.perf_counter() - start
+    times = []
+    for i in range(args.steps):
+        start = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, images, ids, mask, jax.random.key(i))
+        loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+    print(f"params {n_params:,}  batch {args.batch}  devices {jax.device_count()}  "
+          f"compile+first {compile_s:.2f} s  step {np.median(times) * 1e3:.1f} ms (median of "
+          f"{len(times)})  loss {float(loss):.4f}")
+
+
+if __name__ == "__main__":
+    main()

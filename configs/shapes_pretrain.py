@@ -1,0 +1,25 @@
+"""Flow-matching pre-training of the embedded world's base generator (mode "pretrain").
+
+  python -m g2rpo_jax.main --config=configs/shapes_pretrain.py --workdir=DIR
+
+Trains the tiny FLUX-architecture transformer and its word encoder from scratch on rendered
+images of the training prompts (the held-out prompts are never seen) and writes
+DIR/generator.safetensors, the file shipped as g2rpo_jax/assets/shapes_base.safetensors.
+"""
+
+import ml_collections
+
+from g2rpo_jax import config_lib
+
+
+def get_config():
+    config = config_lib.shapes_config()
+    config.mode = "pretrain"
+    num_steps = ml_collections.FieldReference(3000)  # the cosine decays over all of them
+    config.pretrain = ml_collections.ConfigDict(dict(
+        num_steps=num_steps, batch_size=64, log_every=25, eval_every=500))
+    config.optimizer = ml_collections.ConfigDict(dict(
+        learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=200, decay_steps=num_steps,
+        b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+    config.evaluation.num_prompts = 0
+    return config

@@ -1,0 +1,177 @@
+"""The embedded world as a tensorflow-datasets dataset in ArrayRecord format (no TensorFlow).
+
+Each record is one rendered image of one prompt: {"image": uint8 [S, S, 3], "prompt": bytes}.
+Splits "train" and "held_out" are `world.split_prompts(split_seed, held_out_fraction)`, so they
+share no prompt (nor a mirrored paraphrase of one); each prompt is rendered
+`images_per_prompt` times with a numpy generator seeded from (render_seed, prompt index), so a
+rebuild gives the same bytes.
+
+  builder_config = config_from(config)                # from a run config's world/data fields
+  source = load_split(data_dir, "train", builder_config)   # builds on first use
+  reader = Reader(source, batch_size=per_host_batch, seed=0)
+  batch = next(reader)    # {"image": uint8 [B, S, S, 3], "prompt": [B] str}
+
+`Reader` shuffles every epoch with one permutation shared by all hosts and gives host h the
+records h, h + H, h + 2H, ... of it, so the hosts' batches are disjoint and together cover the
+epoch once. Records are read by random access (`as_data_source`); tensorflow is never imported.
+"""
+
+from collections.abc import Iterator
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import tensorflow_datasets as tfds
+
+from g2rpo_jax.data import world
+
+VERSION = "1.0.0"
+SPLITS = ("train", "held_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapesConfig:
+    """What a built dataset holds; its `name` keys the dataset's folder, so datasets of
+    different settings live side by side in one data_dir."""
+
+    image_size: int = world.REFERENCE_CANVAS
+    split_seed: int = 0
+    held_out_fraction: float = 0.2
+    images_per_prompt: int = 16
+    render_seed: int = 0
+
+    def __post_init__(self):
+        if self.images_per_prompt < 1:
+            raise ValueError(f"images_per_prompt must be at least 1; got "
+                             f"{self.images_per_prompt}.")
+
+    @property
+    def name(self) -> str:
+        return (f"s{self.image_size}_split{self.split_seed}_held{self.held_out_fraction:g}"
+                f"_n{self.images_per_prompt}_r{self.render_seed}")
+
+
+def config_from(config) -> ShapesConfig:
+    """The dataset settings of a run config (`world` and `data` sections)."""
+    return ShapesConfig(image_size=config.world.image_size, split_seed=config.world.split_seed,
+                        held_out_fraction=config.world.held_out_fraction,
+                        images_per_prompt=config.data.images_per_prompt,
+                        render_seed=config.data.render_seed)
+
+
+class _BuilderConfig(tfds.core.BuilderConfig):
+    def __init__(self, settings: ShapesConfig, name: str | None = None):
+        super().__init__(name=name or settings.name, version=VERSION,
+                         description="The embedded shapes world (g2rpo_jax.data.world).")
+        self.settings = settings
+
+
+class ShapesWorld(tfds.core.GeneratorBasedBuilder):
+    """Rendered (image, prompt) pairs of the embedded world."""
+
+    VERSION = tfds.core.Version(VERSION)
+    # TFDS wants one registered config; `builder` always passes a custom one, named by its
+    # settings (so never "registered").
+    BUILDER_CONFIGS = [_BuilderConfig(ShapesConfig(), name="registered")]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        size = self.builder_config.settings.image_size
+        return self.dataset_info_from_configs(
+            features=tfds.features.FeaturesDict({
+                # A plain uint8 tensor: encoding an Image feature would need PNG codecs.
+                "image": tfds.features.Tensor(shape=(size, size, 3), dtype=np.uint8),
+                "prompt": tfds.features.Text(),
+            }),
+            description=__doc__)
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # everything is rendered, nothing downloaded
+        s = self.builder_config.settings
+        splits = world.split_prompts(s.split_seed, s.held_out_fraction)
+        return {name: self._generate_examples(splits[name]) for name in SPLITS}
+
+    def _generate_examples(self, prompts):
+        s = self.builder_config.settings
+        index = {p: i for i, p in enumerate(world.all_prompts())}
+        for prompt in prompts:
+            rng = np.random.default_rng((s.render_seed, index[prompt]))
+            for j in range(s.images_per_prompt):
+                yield f"{index[prompt]}_{j}", {
+                    "image": world.render_prompt(prompt, rng, s.image_size), "prompt": prompt}
+
+
+def default_data_dir() -> str:
+    """TFDS's own default (~/tensorflow_datasets, or $TFDS_DATA_DIR)."""
+    return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+
+
+def builder(data_dir: str | None, settings: ShapesConfig) -> ShapesWorld:
+    return ShapesWorld(config=_BuilderConfig(settings), data_dir=data_dir or default_data_dir())
+
+
+def load_split(data_dir: str | None, split: str, settings: ShapesConfig):
+    """A random-access source of one split (built first if absent; the build is atomic:
+    TFDS writes to a temporary folder and renames it). Only process 0 builds; the others wait
+    for it and then read the same files (data_dir must be shared on a multi-host job)."""
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r}; the splits are {SPLITS}.")
+    b = builder(data_dir, settings)
+    if jax.process_index() == 0:
+        b.download_and_prepare(file_format="array_record")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("shapes_tfds built")
+        b = builder(data_dir, settings)  # re-read the info process 0 wrote
+    source = b.as_data_source(split=split)
+    if len(source) == 0:
+        raise ValueError(f"The {split!r} split of {b.data_dir} is empty: check "
+                         "world.held_out_fraction and data.images_per_prompt.")
+    return source
+
+
+class Reader(Iterator):
+    """Endless per-host batches {"image": uint8 [B, S, S, 3], "prompt": [B] str} of a source,
+    reshuffled every epoch; a batch never spans two epochs (the epoch's tail that does not fill
+    a whole global batch is dropped, so every host sees the same number of batches)."""
+
+    def __init__(self, source, batch_size: int, seed: int = 0,
+                 process_index: int | None = None, process_count: int | None = None):
+        self.source = source
+        self.batch_size = batch_size
+        self.seed = seed
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        global_batch = batch_size * self.process_count
+        if batch_size < 1:
+            raise ValueError(f"The per-host batch size must be at least 1; got {batch_size}.")
+        if len(source) == 0:
+            raise ValueError("The split has 0 records: it is empty. Build it with prompts in it "
+                             "(world.held_out_fraction, data.images_per_prompt).")
+        if len(source) < global_batch:
+            raise ValueError(f"The split has {len(source)} records, fewer than one global batch "
+                             f"of {global_batch} ({batch_size} per host × {self.process_count} "
+                             "hosts): lower the batch size.")
+        self.batches_per_epoch = len(source) // global_batch
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> np.ndarray:
+        """This host's record indices for the current epoch, [batches_per_epoch · B]."""
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.source))
+        used = order[:self.batches_per_epoch * self.batch_size * self.process_count]
+        return used[self.process_index::self.process_count]
+
+    def __next__(self) -> dict:
+        if self.position == self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._epoch_order()
+        start = self.position * self.batch_size
+        indices = self._order[start:start + self.batch_size]
+        self.position += 1
+        records = self.source.__getitems__(list(map(int, indices))) \
+            if hasattr(self.source, "__getitems__") else [self.source[int(i)] for i in indices]
+        prompts = [r["prompt"].decode() if isinstance(r["prompt"], bytes) else str(r["prompt"])
+                   for r in records]
+        return {"image": np.stack([np.asarray(r["image"], np.uint8) for r in records]),
+                "prompt": prompts}

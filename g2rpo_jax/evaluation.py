@@ -1,0 +1,156 @@
+"""Held-out evaluation of a generator: deterministic ODE samples from fixed noise, scored by the
+in-domain verifier, the out-of-domain learned judge and the image-quality probe; image grids.
+
+Scores (each a mean over held-out prompts × samples, in [0, 1]):
+  in_domain       `rewards.verifier.score` (count, colour, shape, size, relation checks)
+  out_of_domain   `rewards.judge` (a CLIP-style model; never an RL reward)
+  quality         `rewards.verifier.quality` (1 − fraction of off-palette / speckle pixels)
+"""
+
+from collections.abc import Sequence
+import math
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from g2rpo_jax.data import world
+from g2rpo_jax.rewards import verifier
+from g2rpo_jax.sampling import rollout, schedules
+
+SCORES = ("in_domain", "out_of_domain", "quality")
+
+
+def held_out_prompts(config) -> list[str]:
+    prompts = world.split_prompts(config.world.split_seed,
+                                  config.world.held_out_fraction)["held_out"]
+    if config.evaluation.num_prompts > 0:
+        prompts = prompts[:config.evaluation.num_prompts]
+    if not prompts:
+        raise ValueError("The held-out prompt split is empty: raise world.held_out_fraction "
+                         "or evaluation.num_prompts.")
+    return prompts
+
+
+def sigmas_from_config(config) -> jax.Array:
+    return schedules.flux_sigmas(config.sampling.num_steps, config.sampling.shift)
+
+
+def sample_latents(apply_fn, cond: dict, noise: jax.Array, sigmas: jax.Array,
+                   guidance: float | None) -> jax.Array:
+    """Euler ODE from noise [P, M, N, C] at sigmas[0] to the final latents [P, M, N, C]."""
+    velocity = rollout.make_velocity_fn(apply_fn, cond, guidance)
+    xs, _ = rollout.ode_trajectory(velocity, noise, sigmas)
+    return xs[-1]
+
+
+def judge_fn(config, prompts: Sequence[str]):
+    """The out-of-domain scorer `fn(images [..., H, W, 3], prompt_ids [...]) -> [...]`."""
+    from g2rpo_jax.rewards import judge as judge_lib
+
+    path = config.reward.judge_path or judge_lib.DEFAULT_JUDGE_PATH
+    judge, tokenizer = judge_lib.load_judge(path)
+    return judge_lib.jax_judge_fn(judge, tokenizer, prompts)
+
+
+class Evaluator:
+    """Samples and scores a fixed set of prompts with fixed noise, so that evaluations of
+    different parameters (base, during training, final) are directly comparable."""
+
+    def __init__(self, config, gen, prompts: Sequence[str], mesh,
+                 scorers: Sequence[str] = SCORES):
+        unknown = set(scorers) - set(SCORES)
+        if unknown:
+            raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
+        self.gen, self.mesh, self.scorers = gen, mesh, tuple(scorers)
+        self.prompts = list(prompts)
+        batch_devices = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+        # Pad the prompt batch to split evenly over the batch axes; padding rows are dropped.
+        padded = -len(self.prompts) % batch_devices
+        self._padded_prompts = self.prompts + self.prompts[:1] * padded
+        self.samples = config.evaluation.samples_per_prompt
+        self.sigmas = sigmas_from_config(config)
+        self.guidance = config.sampling.guidance
+        n, c = gen.latent_shape
+        self.noise = jax.random.normal(jax.random.key(config.evaluation.seed),
+                                       (len(self._padded_prompts), self.samples, n, c))
+        self.graphdef = nnx.graphdef(gen.flux)
+        self.cond = None
+        self._judge = judge_fn(config, self.prompts) if "out_of_domain" in scorers else None
+
+        @jax.jit
+        def sample(params, cond, noise):
+            return sample_latents(nnx.merge(self.graphdef, params), cond, noise, self.sigmas,
+                                  self.guidance)
+        self._sample = sample
+
+    def images(self, params, text_encoder=None) -> np.ndarray:
+        """[P, M, H, W, 3] float images in [0, 1] (text_encoder: re-encode the prompts, as in
+        pre-training where the encoder changes; otherwise encoded once)."""
+        if text_encoder is not None or self.cond is None:
+            if text_encoder is not None:
+                self.gen.text_encoder = text_encoder
+            self.cond = self.gen.encode(self._padded_prompts, self.mesh)
+        with jax.set_mesh(self.mesh):
+            latents = self._sample(params, self.cond, self.noise)
+        return np.asarray(self.gen.decode(latents))[:len(self.prompts)]
+
+    def scores(self, params, text_encoder=None) -> dict[str, float]:
+        images = self.images(params, text_encoder)
+        self.last_images = images
+        return mean_scores(images, self.prompts, self.scorers, self._judge)
+
+
+def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],
+                 judge=None, prompt_ids=None) -> dict[str, np.ndarray]:
+    """Per-image scores {name: float32 [P, M]} of images [P, M, H, W, 3] (M samples of prompt p;
+    `prompt_ids` [P]: each row's index in the judge's prompt list, default 0..P-1)."""
+    p, m = images.shape[:2]
+    flat = images.reshape(p * m, *images.shape[2:])
+    repeated = [prompt for prompt in prompts for _ in range(m)]
+    out = {}
+    if "in_domain" in scorers:
+        out["in_domain"] = verifier.score_batch(flat, repeated)
+    if "quality" in scorers:
+        out["quality"] = verifier.quality_batch(flat)
+    if "out_of_domain" in scorers:
+        ids = np.arange(p) if prompt_ids is None else np.asarray(prompt_ids)
+        out["out_of_domain"] = np.asarray(judge(jnp.asarray(flat), jnp.asarray(np.repeat(ids, m))),
+                                          np.float32)
+    return {name: values.reshape(p, m) for name, values in out.items()}
+
+
+def mean_scores(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],
+                judge=None) -> dict[str, float]:
+    """Mean scores of images [P, M, H, W, 3] (M samples of prompt p), in `SCORES` order."""
+    scores = score_images(images, prompts, scorers, judge)
+    return {name: float(scores[name].mean()) for name in SCORES if name in scores}
+
+
+def save_grid(path: str, images: np.ndarray, captions: Sequence[str], columns: int = 8,
+              scale: int = 4, title: str = "") -> str:
+    """A PNG grid of images [K, H, W, 3] in [0, 1] (nearest-neighbour ×scale), each captioned."""
+    from PIL import Image, ImageDraw
+
+    images = np.clip(np.asarray(images) * 255 + 0.5, 0, 255).astype(np.uint8)
+    k, h, w = images.shape[:3]
+    cell_w, cell_h, text_h = w * scale + 8, h * scale + 8, 28
+    top = 18 if title else 0
+    rows = max(1, math.ceil(k / columns))
+    canvas = Image.new("RGB", (columns * cell_w, top + rows * (cell_h + text_h)), (40, 40, 40))
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        draw.text((4, 3), title, fill=(255, 255, 255))
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        x, y = (i % columns) * cell_w, top + (i // columns) * (cell_h + text_h)
+        big = Image.fromarray(image).resize((w * scale, h * scale), Image.NEAREST)
+        canvas.paste(big, (x + 4, y + 4))
+        words, lines = caption.split(), [""]
+        for word in words:  # wrap to the cell width (~6 px a character in the default font)
+            if len(lines[-1]) + len(word) + 1 > cell_w // 6:
+                lines.append("")
+            lines[-1] = f"{lines[-1]} {word}".strip()
+        draw.text((x + 4, y + cell_h - 2), "\n".join(lines[:2]), fill=(220, 220, 220))
+    canvas.save(path)
+    return path

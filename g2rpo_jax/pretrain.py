@@ -1,0 +1,130 @@
+"""Flow-matching pre-training of a generator (mode "pretrain": the embedded world's base model).
+
+Rectified flow in FLUX's convention: x_σ = (1 − σ)·x₀ + σ·ε, the model predicts v = ε − x₀,
+σ ~ logit-normal(0, 1) (SD3 / FLUX training). The transformer and the word encoder train
+jointly; the result is one generator file (`generator.save_generator`) that the RL job loads.
+
+  python -m g2rpo_jax.main --config=configs/shapes_pretrain.py --workdir=DIR
+"""
+
+import json
+import os
+import time
+
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+import tqdm
+
+from g2rpo_jax import evaluation, generator, parallel
+from g2rpo_jax import metrics as metrics_lib
+from g2rpo_jax.rl import update as update_lib
+
+
+def flow_matching_loss(velocity: jax.Array, x0: jax.Array, noise: jax.Array) -> jax.Array:
+    """Mean squared error of a predicted velocity [B, N, C] against ε − x₀."""
+    return jnp.mean(jnp.square(velocity.astype(jnp.float32) - (noise - x0)))
+
+
+def noisy_latents(x0: jax.Array, noise: jax.Array, sigma: jax.Array) -> jax.Array:
+    """x_σ = (1 − σ)·x₀ + σ·ε for x0, noise [B, N, C], sigma [B]."""
+    s = sigma[:, None, None]
+    return (1.0 - s) * x0 + s * noise
+
+
+def make_train_step(flux_graphdef, encoder_graphdef, autoencoder, optimizer):
+    """step(params, opt_state, images [B,H,W,3] uint8, ids/mask [B,T], key) → (params, opt, loss);
+    params = {"flux": ..., "text_encoder": ...}."""
+    img_ids = autoencoder.image_ids()
+
+    def loss_fn(params, images, ids, mask, key):
+        cond = nnx.merge(encoder_graphdef, params["text_encoder"])(ids, mask)
+        x0 = autoencoder.encode(images.astype(jnp.float32) / 255.0)
+        noise_key, sigma_key = jax.random.split(key)
+        noise = jax.random.normal(noise_key, x0.shape)
+        sigma = jax.nn.sigmoid(jax.random.normal(sigma_key, (x0.shape[0],)))
+        model = nnx.merge(flux_graphdef, params["flux"])
+        v = model(noisy_latents(x0, noise, sigma), img_ids, cond["txt"], cond["txt_ids"], sigma,
+                  cond["y"])
+        return flow_matching_loss(v, x0, noise)
+
+    def step(params, opt_state, images, ids, mask, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, images, ids, mask, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def pretrain(config, workdir: str, mesh, rules) -> dict:
+    """Trains a generator from scratch on the world's training split; writes
+    DIR/generator.safetensors, DIR/metrics.jsonl and DIR/pretrain.json."""
+    from g2rpo_jax.data import shapes_tfds  # TODO(merge): top-level
+
+    settings = config.pretrain
+    gen = generator.build_generator(config, mesh, config.seed, rules)
+    data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
+    train_source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
+    per_host = settings.batch_size // jax.process_count()
+    reader = shapes_tfds.Reader(train_source, per_host, seed=config.seed)
+    held_out = evaluation.held_out_prompts(config)
+
+    optimizer = update_lib.make_optimizer(config.optimizer)
+    flux_graphdef, flux_params = nnx.split(gen.flux, nnx.Param)
+    enc_graphdef, enc_params = nnx.split(gen.text_encoder, nnx.Param)
+    params = parallel.replicate_unplaced({"flux": flux_params, "text_encoder": enc_params}, mesh)
+    opt_state = parallel.replicate_unplaced(jax.jit(optimizer.init)(params), mesh)
+    step_fn = jax.jit(make_train_step(flux_graphdef, enc_graphdef, gen.autoencoder, optimizer),
+                      donate_argnums=(0, 1))
+    logger = metrics_lib.MetricsLogger(workdir)
+    evaluator = evaluation.Evaluator(config, gen, held_out, mesh, scorers=("in_domain",
+                                                                           "quality"))
+
+    def evaluate(step):
+        gen.flux = nnx.merge(flux_graphdef, params["flux"])
+        gen.text_encoder = nnx.merge(enc_graphdef, params["text_encoder"])
+        scores = evaluator.scores(params["flux"], text_encoder=gen.text_encoder)
+        logger.write(step, {f"eval/{k}": v for k, v in scores.items()})
+        return scores
+
+    key = jax.random.key(config.seed)
+    start = time.perf_counter()
+    bar = tqdm.trange(settings.num_steps, desc="pretrain", dynamic_ncols=True,
+                      disable=jax.process_index() != 0)
+    scores, loss_ema = {}, None
+    with jax.set_mesh(mesh):
+        for step in bar:
+            batch = next(reader)
+            ids, mask = gen.tokenize(batch["prompt"])
+            arrays = [jax.make_array_from_process_local_data(
+                parallel.batch_sharding(mesh, (settings.batch_size, *a.shape[1:]), rules), a)
+                for a in (batch["image"], ids, mask)]
+            params, opt_state, loss = step_fn(params, opt_state, *arrays,
+                                              jax.random.fold_in(key, step))
+            if step % settings.log_every == 0 or step == settings.num_steps - 1:
+                loss = float(loss)
+                if not jnp.isfinite(loss):
+                    raise FloatingPointError(f"Pre-training loss is {loss} at step {step}; lower "
+                                             "optimizer.learning_rate or check the data.")
+                loss_ema = loss if loss_ema is None else 0.9 * loss_ema + 0.1 * loss
+                logger.write(step, {"train/loss": loss})
+                bar.set_postfix(loss=f"{loss_ema:.4f}", **{k: f"{v:.3f}"
+                                                          for k, v in scores.items()})
+            if settings.eval_every and (step + 1) % settings.eval_every == 0:
+                scores = evaluate(step + 1)
+        scores = evaluate(settings.num_steps)
+    seconds = time.perf_counter() - start
+    gen.flux = nnx.merge(flux_graphdef, params["flux"])
+    gen.text_encoder = nnx.merge(enc_graphdef, params["text_encoder"])
+    report = {"steps": settings.num_steps, "batch_size": settings.batch_size,
+              "seconds": seconds, "held_out": scores, "seed": config.seed}
+    if jax.process_index() == 0:
+        path = generator.save_generator(os.path.join(workdir, "generator.safetensors"), gen,
+                                        {"pretrain": report})
+        with open(os.path.join(workdir, "pretrain.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        logging.info("Wrote %s; held-out scores %s after %.0f s.", path, scores, seconds)
+    logger.close()
+    return report

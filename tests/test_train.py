@@ -1,0 +1,180 @@
+"""The embedded default end to end: a shortened RL run of every algorithm from the shipped base,
+a shortened pre-training run, the shipped base against a random generator, and bad input."""
+
+import importlib.util
+import json
+import os
+
+from flax import nnx
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from PIL import Image
+import pytest
+
+from g2rpo_jax import evaluation, generator, parallel, pretrain, train
+from g2rpo_jax.models import state_io
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name: str, argument: str | None = None):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(argument) if argument else module.get_config()
+
+
+def short_rl_config(data_dir, algorithm="g2rpo", iterations=2):
+    """configs/shapes_cpu.py, shrunk: 6 steps, groups of 4, 8 prompts, 8 held-out prompts."""
+    config = load_config("shapes_cpu.py", algorithm)
+    config.sampling.num_steps = 6
+    config.algorithm.group_size = 4
+    config.algorithm.branch_steps = (0, 1)
+    config.train.num_iterations = iterations
+    config.train.eval_every = 1
+    config.evaluation.num_prompts = 8
+    config.data.images_per_prompt = 1
+    config.data.data_dir = str(data_dir)
+    return config
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return parallel.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def g2rpo_run(tmp_path_factory, data_dir, mesh):
+    config = short_rl_config(data_dir)
+    workdir = tmp_path_factory.mktemp("g2rpo")
+    report = train.train(config, str(workdir), mesh, parallel.rules_from_config(
+        config.sharding_rules))
+    return config, workdir, report
+
+
+def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
+    config, workdir, report = g2rpo_run
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["seconds"] > 0
+    for part in ("base", "final"):
+        assert set(summary[part]) == {"in_domain", "out_of_domain", "quality"}
+        assert all(0.0 <= v <= 1.0 for v in summary[part].values())
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/reward_in_domain" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    # On-policy check: before the first optimizer step of an iteration the ratio is exactly 1.
+    assert all(r["train/first_update_log_ratio_abs_max"] < 1e-5 for r in train_rows)
+    assert all(np.isfinite(r["train/loss"]) for r in train_rows)
+    eval_steps = [r["step"] for r in rows if "eval/in_domain" in r]
+    assert eval_steps == [0, 1, 2]
+    assert os.listdir(workdir / "tensorboard")
+    for name in ("images/base.png", "images/final.png", "reward_curves.png"):
+        with Image.open(workdir / name) as image:
+            assert image.size[0] > 100 and image.size[1] > 100
+    # The final evaluation in the summary is the last eval row.
+    assert rows[-1]["eval/in_domain"] == pytest.approx(summary["final"]["in_domain"])
+
+
+def test_checkpoint_and_generator_file_hold_the_trained_params(g2rpo_run, mesh):
+    config, workdir, report = g2rpo_run
+    manager = ocp.CheckpointManager(os.path.abspath(workdir / "checkpoints"))
+    assert manager.latest_step() == 2
+    restored = manager.restore(2)
+    manager.close()
+    assert int(restored["step"]) > 0
+    fine_tuned = generator.load_generator(str(workdir / "generator.safetensors"))
+    params = nnx.to_pure_dict(nnx.state(fine_tuned.flux, nnx.Param))
+    flat_saved = jax.tree.leaves(params)
+    flat_restored = jax.tree.leaves(restored["params"])
+    assert len(flat_saved) == len(flat_restored)
+    for a, b in zip(flat_saved, flat_restored):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    base = generator.load_generator(generator.SHIPPED_BASE)
+    moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+        jax.tree.leaves(nnx.state(base.flux, nnx.Param)), flat_saved)]
+    assert max(moved) > 0  # RL changed the policy
+    assert state_io.read_config(str(workdir / "generator.safetensors"))["rl"]["iterations"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo"])
+def test_every_algorithm_runs(tmp_path, data_dir, mesh, algorithm):
+    config = short_rl_config(data_dir, algorithm, iterations=1)
+    config.train.eval_every = 0
+    report = train.train(config, str(tmp_path), mesh, parallel.rules_from_config(
+        config.sharding_rules))
+    assert report["algorithm"] == algorithm and report["iterations"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if "train/loss" in r]
+    assert np.isfinite(row["train/loss"]) and row["train/first_update_log_ratio_abs_max"] < 1e-5
+    assert (tmp_path / "summary.json").exists()
+
+
+def test_shipped_base_beats_a_random_generator_on_held_out_prompts(mesh):
+    config = load_config("shapes_cpu.py")
+    config.evaluation.num_prompts = 48
+    prompts = evaluation.held_out_prompts(config)
+    base = generator.load_generator(generator.SHIPPED_BASE, mesh)
+    base_scores = evaluation.Evaluator(config, base, prompts, mesh, ("in_domain", "quality")
+                                       ).scores(nnx.state(base.flux))
+    random = generator.build_generator(config, mesh, seed=3)
+    random_scores = evaluation.Evaluator(config, random, prompts, mesh, ("in_domain", "quality")
+                                         ).scores(nnx.state(random.flux))
+    print(f"held-out in_domain: base {base_scores['in_domain']:.3f}, random "
+          f"{random_scores['in_domain']:.3f}")
+    assert base_scores["in_domain"] > random_scores["in_domain"] + 0.1
+    assert base_scores["quality"] > 0.9
+
+
+def test_short_pretraining_writes_a_loadable_generator(tmp_path, data_dir, mesh):
+    config = load_config("shapes_pretrain.py")
+    config.pretrain.num_steps = 3
+    config.pretrain.batch_size = 8
+    config.pretrain.eval_every = 0
+    config.optimizer.warmup_steps = 1
+    config.evaluation.num_prompts = 8
+    config.data.images_per_prompt = 1
+    config.data.data_dir = str(data_dir)
+    report = pretrain.pretrain(config, str(tmp_path), mesh, parallel.rules_from_config(
+        config.sharding_rules))
+    assert report["steps"] == 3 and set(report["held_out"]) == {"in_domain", "quality"}
+    loaded = generator.load_generator(str(tmp_path / "generator.safetensors"), mesh)
+    assert loaded.latent_shape == (64, 48)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses and all(np.isfinite(losses))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_base_checkpoint_names_the_pretraining_command(tmp_path, mesh):
+    config = short_rl_config(tmp_path)
+    config.model.checkpoint = str(tmp_path / "nope.safetensors")
+    with pytest.raises(FileNotFoundError, match="nope.safetensors.*configs/shapes_pretrain.py"):
+        train.train(config, str(tmp_path), mesh, parallel.rules_from_config(
+            config.sharding_rules))
+
+
+def test_unknown_word_and_empty_prompt_list_are_named():
+    base = generator.load_generator(generator.SHIPPED_BASE)
+    with pytest.raises(ValueError, match=r"Unknown word\(s\) \['purple'\]"):
+        base.encode(["a purple circle"])
+    with pytest.raises(ValueError, match="empty prompt list"):
+        base.encode([])
+
+
+def test_empty_held_out_split_is_named(monkeypatch):
+    config = load_config("shapes_cpu.py")
+    monkeypatch.setattr(evaluation.world, "split_prompts",
+                        lambda seed, fraction: {"train": ["a red circle"], "held_out": []})
+    with pytest.raises(ValueError, match="held-out prompt split is empty"):
+        evaluation.held_out_prompts(config)
