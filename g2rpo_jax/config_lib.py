@@ -57,7 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.optimizer = ml_collections.ConfigDict(dict(
         learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
         b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
-    # steps_per_update: 1 = one optimizer step per trained k (reference code); K = one
+    # steps_per_update: 1 = one optimizer step per trained k (reference code); 0 (or K) = one
     # accumulated step over all k (on-policy). micro_batch_prompts: 0 = all prompts at once.
     # recompute_old_log_prob: re-score the rollout's transitions in the update's layout before
     # the first step, so the first ratio is exactly 1 in bf16 too (measured without it on a tiny

@@ -10,7 +10,7 @@ Data (prompt-major, P sharded over the mesh's batch axes; K trained steps per it
   TrainBatch.advantages   [K, P, G]
 
 `steps_per_update` groups the K steps: 1 = one optimizer step per k (the reference code; later
-k are slightly off-policy), K = one accumulated step over all k (on-policy). Within a group,
+k are slightly off-policy), K (or 0) = one accumulated step over all k (on-policy). Within a group,
 gradients are averaged over steps and over prompt micro-batches.
 """
 
@@ -51,7 +51,7 @@ class TrainState:
 class UpdateSettings:
     """Static settings of the update (hashable; part of the compiled function's identity)."""
 
-    steps_per_update: int = 1        # trained steps per optimizer step (1 = per k, K = all)
+    steps_per_update: int = 1        # trained steps per optimizer step (1 = per k, 0 = all)
     micro_batch_prompts: int = 0     # prompts per gradient micro-batch; 0 = all
     recompute_old_log_prob: bool = False
     guidance: float | None = 3.5
@@ -150,7 +150,7 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
 
     def update(state: TrainState, batch: TrainBatch, cond: dict):
         num_k = batch.step.shape[0]
-        per = settings.steps_per_update
+        per = settings.steps_per_update or num_k
         if num_k % per:
             raise ValueError(f"steps_per_update={per} must divide the {num_k} trained steps.")
         num_prompts = batch.x.shape[1]

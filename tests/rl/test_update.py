@@ -98,7 +98,8 @@ def test_trajectory_advantages_are_per_trajectory():
     np.testing.assert_allclose(adv[0].mean(-1), 0, atol=1e-5)
 
 
-def test_positive_advantage_raises_that_samples_log_prob():
+@pytest.mark.parametrize("steps_per_update", [3, 0])  # 0: all trained steps, here 3
+def test_positive_advantage_raises_that_samples_log_prob(steps_per_update):
     """One SGD step on the clipped loss with a single positive advantage raises its log-prob."""
     algo = _algo("g2rpo", clip_range=10.0)    # keep the step inside the clip region
     mesh = parallel.make_mesh((8, 1, 1))
@@ -124,7 +125,8 @@ def test_positive_advantage_raises_that_samples_log_prob():
     with jax.set_mesh(mesh):
         before = np.asarray(jax.jit(log_prob)(state.params))
         update_fn = update.jit_update(update.make_update_fn(
-            graphdef, optimizer, algo, update.UpdateSettings(steps_per_update=3), SIGMAS),
+            graphdef, optimizer, algo, update.UpdateSettings(steps_per_update=steps_per_update),
+            SIGMAS),
             state, batch, cond)
         state, _ = update_fn(state, batch, cond)
         after = np.asarray(jax.jit(log_prob)(state.params))
