@@ -36,24 +36,17 @@ import jax.numpy as jnp
 
 from g2rpo_jax.models import packing, weights
 from g2rpo_jax.models.attention import IMPLEMENTATIONS, dot_product_attention
+from g2rpo_jax.models.flux import to_dtype
 from g2rpo_jax.parallel import sharding as sharding_lib
 
 __all__ = ["AutoencoderConfig", "Autoencoder", "PackedAutoencoder", "Encoder", "Decoder",
            "count_params", "from_pretrained", "abstract_model"]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # diffusers builds every VAE GroupNorm (ResNets, attention, output) with eps 1e-6.
 _NORM_EPS = 1e-6
 # diffusers' DiagonalGaussianDistribution clamps the log-variance to this range.
 _LOGVAR_RANGE = (-30.0, 20.0)
 
-
-def _dtype(name: str | Any) -> Any:
-    if isinstance(name, str):
-        if name not in _DTYPES:
-            raise ValueError(f"Unknown dtype {name!r}; use one of {sorted(_DTYPES)}.")
-        return _DTYPES[name]
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +89,7 @@ class AutoencoderConfig:
         if self.attention_impl not in IMPLEMENTATIONS:
             raise ValueError(f"Unknown attention_impl {self.attention_impl!r}; use one of "
                              f"{IMPLEMENTATIONS}.")
-        _dtype(self.dtype), _dtype(self.param_dtype)
+        to_dtype(self.dtype), to_dtype(self.param_dtype)
 
     @property
     def downsample_factor(self) -> int:
@@ -134,12 +127,12 @@ class AutoencoderConfig:
 def _conv(in_ch: int, out_ch: int, kernel: int, cfg: AutoencoderConfig, rngs: nnx.Rngs,
           stride: int = 1, padding: Any = "SAME") -> nnx.Conv:
     return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=(stride, stride), padding=padding,
-                    dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
+                    dtype=to_dtype(cfg.dtype), param_dtype=to_dtype(cfg.param_dtype), rngs=rngs)
 
 
 def _linear(features: int, cfg: AutoencoderConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(features, features, dtype=_dtype(cfg.dtype),
-                      param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
+    return nnx.Linear(features, features, dtype=to_dtype(cfg.dtype),
+                      param_dtype=to_dtype(cfg.param_dtype), rngs=rngs)
 
 
 class GroupNorm(nnx.Module):
@@ -149,8 +142,8 @@ class GroupNorm(nnx.Module):
 
     def __init__(self, channels: int, cfg: AutoencoderConfig):
         self.groups = cfg.norm_num_groups
-        self.scale = nnx.Param(jnp.ones((channels,), _dtype(cfg.param_dtype)))
-        self.bias = nnx.Param(jnp.zeros((channels,), _dtype(cfg.param_dtype)))
+        self.scale = nnx.Param(jnp.ones((channels,), to_dtype(cfg.param_dtype)))
+        self.bias = nnx.Param(jnp.zeros((channels,), to_dtype(cfg.param_dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, ..., C] → same shape and dtype."""
@@ -287,7 +280,7 @@ class Encoder(nnx.Module):
         self.mid_block = MidBlock2D(widths[-1], cfg, rngs)
         self.conv_norm_out = GroupNorm(widths[-1], cfg)
         self.conv_out = _conv(widths[-1], 2 * cfg.latent_channels, 3, cfg, rngs)
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = to_dtype(cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.conv_in(x.astype(self.dtype))
@@ -312,7 +305,7 @@ class Decoder(nnx.Module):
             for i, width in enumerate(widths)])
         self.conv_norm_out = GroupNorm(widths[-1], cfg)
         self.conv_out = _conv(widths[-1], cfg.out_channels, 3, cfg, rngs)
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = to_dtype(cfg.dtype)
 
     def __call__(self, z: jax.Array) -> jax.Array:
         x = self.mid_block(self.conv_in(z.astype(self.dtype)))

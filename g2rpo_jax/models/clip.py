@@ -53,10 +53,10 @@ import numpy as np
 
 from g2rpo_jax.models import weights
 from g2rpo_jax.models.attention import dot_product_attention
+from g2rpo_jax.models.flux import to_dtype
 from g2rpo_jax.models.safetensors_io import write_safetensors
 from g2rpo_jax.parallel import sharding as sharding_lib
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Tensors whose presence tells the layout and the towers (see `detect_layout`, `_hf_prefixes`).
 _HF_BARE_TEXT_KEY = "embeddings.token_embedding.weight"
 _HF_BARE_VISION_KEY = "embeddings.patch_embedding.weight"
@@ -66,13 +66,6 @@ _OC_TEXT_KEY = "token_embedding.weight"
 _OC_VISION_KEY = "visual.conv1.weight"
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
-
-def _dtype(name):
-    if isinstance(name, str):
-        if name not in _DTYPES:
-            raise ValueError(f"Unknown dtype {name!r}; use one of {sorted(_DTYPES)}.")
-        return _DTYPES[name]
-    return name
 
 
 def quick_gelu(x: jax.Array) -> jax.Array:
@@ -173,7 +166,7 @@ class CLIPConfig:
     def __post_init__(self):
         if self.text is None and self.vision is None:
             raise ValueError("A CLIPConfig needs at least one tower (text or vision).")
-        _dtype(self.dtype), _dtype(self.param_dtype)
+        to_dtype(self.dtype), to_dtype(self.param_dtype)
 
 
 def config_from_open_clip(model_cfg: Mapping[str, Any], **overrides) -> CLIPConfig:
@@ -268,8 +261,8 @@ def clip_l14_text(**overrides) -> CLIPConfig:
 
 def _linear(din: int, dout: int, axes: tuple, cfg: CLIPConfig, rngs: nnx.Rngs,
             use_bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=use_bias, dtype=_dtype(cfg.dtype),
-                      param_dtype=_dtype(cfg.param_dtype), rngs=rngs,
+    return nnx.Linear(din, dout, use_bias=use_bias, dtype=to_dtype(cfg.dtype),
+                      param_dtype=to_dtype(cfg.param_dtype), rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02),
                       kernel_metadata={"logical_axes": axes},
                       bias_metadata={"logical_axes": (axes[1],)})
@@ -277,7 +270,7 @@ def _linear(din: int, dout: int, axes: tuple, cfg: CLIPConfig, rngs: nnx.Rngs,
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, cfg: CLIPConfig,
            std: float = 0.02) -> nnx.Param:
-    value = std * jax.random.normal(rngs.params(), shape, _dtype(cfg.param_dtype))
+    value = std * jax.random.normal(rngs.params(), shape, to_dtype(cfg.param_dtype))
     return nnx.Param(value, logical_axes=axes)
 
 
@@ -287,7 +280,7 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, dim: int, eps: float, cfg: CLIPConfig, rngs: nnx.Rngs):
         self.norm = nnx.LayerNorm(dim, epsilon=eps, dtype=jnp.float32,
-                                  param_dtype=_dtype(cfg.param_dtype), use_fast_variance=False,
+                                  param_dtype=to_dtype(cfg.param_dtype), use_fast_variance=False,
                                   rngs=rngs, scale_metadata={"logical_axes": ("embed",)},
                                   bias_metadata={"logical_axes": ("embed",)})
 
@@ -395,7 +388,7 @@ class TextTransformer(nnx.Module):
     def __init__(self, tc: TextConfig, cfg: CLIPConfig, rngs: nnx.Rngs):
         self.tc = tc
         self.scan = cfg.scan_layers
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = to_dtype(cfg.dtype)
         # The vocabulary dim stays whole (no rule shards it); the width follows "embed".
         self.token_embedding = _param(rngs, (tc.vocab_size, tc.width), (None, "embed"), cfg)
         self.position_embedding = _param(rngs, (tc.context_length, tc.width), (None, "embed"),
@@ -438,7 +431,7 @@ class VisionTransformer(nnx.Module):
     def __init__(self, vc: VisionConfig, cfg: CLIPConfig, rngs: nnx.Rngs):
         self.vc = vc
         self.scan = cfg.scan_layers
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = to_dtype(cfg.dtype)
         p = vc.patch_size
         # PyTorch's Conv2d layout [D, 3, P, P], so both checkpoint layouts load it verbatim.
         self.patch_embedding = _param(rngs, (vc.width, 3, p, p), ("embed", None, None, None), cfg)
@@ -485,7 +478,7 @@ class CLIP(nnx.Module):
                                 if cfg.text and e else None)
         self.visual_projection = (_linear(cfg.vision.width, e, ("embed", None), cfg, rngs, False)
                                   if cfg.vision and e else None)
-        self.logit_scale = (nnx.Param(jnp.asarray(math.log(1 / 0.07), _dtype(cfg.param_dtype)),
+        self.logit_scale = (nnx.Param(jnp.asarray(math.log(1 / 0.07), to_dtype(cfg.param_dtype)),
                                       logical_axes=()) if cfg.logit_scale else None)
 
     def _need(self, what: str, present) -> None:

@@ -39,7 +39,8 @@ REMAT_POLICIES = {
 }
 
 
-def _dtype(name: str | Any) -> Any:
+def to_dtype(name: str | Any) -> Any:
+    """A dtype from its config name ("float32", "bfloat16", "float16"); dtypes pass through."""
     if isinstance(name, str):
         if name not in _DTYPES:
             raise ValueError(f"Unknown dtype {name!r}; use one of {sorted(_DTYPES)}.")
@@ -80,7 +81,7 @@ class FluxConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"Unknown remat_policy {self.remat_policy!r}; use one of "
                              f"{sorted(REMAT_POLICIES)}.")
-        _dtype(self.dtype), _dtype(self.param_dtype)
+        to_dtype(self.dtype), to_dtype(self.param_dtype)
 
     @property
     def hidden_size(self) -> int:
@@ -173,8 +174,8 @@ def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
 def _linear(in_features: int, out_features: int, axes: tuple[str | None, str | None],
             cfg: FluxConfig, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
     return nnx.Linear(
-        in_features, out_features, use_bias=use_bias, dtype=_dtype(cfg.dtype),
-        param_dtype=_dtype(cfg.param_dtype), rngs=rngs,
+        in_features, out_features, use_bias=use_bias, dtype=to_dtype(cfg.dtype),
+        param_dtype=to_dtype(cfg.param_dtype), rngs=rngs,
         kernel_init=nnx.initializers.xavier_uniform(),
         kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": (axes[1],)})
 
@@ -183,7 +184,7 @@ class QKNorm(nnx.Module):
     """RMSNorm over the head dim with a learned scale [D] (FLUX's QK norm), in float32."""
 
     def __init__(self, head_dim: int, cfg: FluxConfig, eps: float = 1e-6):
-        self.scale = nnx.Param(jnp.ones((head_dim,), _dtype(cfg.param_dtype)),
+        self.scale = nnx.Param(jnp.ones((head_dim,), to_dtype(cfg.param_dtype)),
                                logical_axes=("head_dim",))
         self.eps = eps
 
@@ -365,7 +366,7 @@ class Flux(nnx.Module):
                  timesteps: jax.Array, y: jax.Array, guidance: jax.Array | None = None) -> jax.Array:
         """Predicts the flow velocity [B, N, C_out] (see the module docstring)."""
         cfg, rules = self.cfg, self.rules
-        dtype = _dtype(cfg.dtype)
+        dtype = to_dtype(cfg.dtype)
         batch = img.shape[0]
         if guidance is None and cfg.guidance_embeds:
             raise ValueError("This FLUX model has guidance embeddings (guidance_embeds=True): pass "

@@ -33,10 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from g2rpo_jax.models import weights
-from g2rpo_jax.models.flux import REMAT_POLICIES
+from g2rpo_jax.models.flux import REMAT_POLICIES, to_dtype
 from g2rpo_jax.parallel import sharding as sharding_lib
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 # transformers' ACT2FN names that T5 configs use; "gelu_new" is the tanh approximation.
 ACTIVATIONS = {
@@ -46,13 +44,6 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
 }
 
-
-def _dtype(name: str | Any) -> Any:
-    if isinstance(name, str):
-        if name not in _DTYPES:
-            raise ValueError(f"Unknown dtype {name!r}; use one of {sorted(_DTYPES)}.")
-        return _DTYPES[name]
-    return name
 
 
 def parse_feed_forward_proj(feed_forward_proj: str) -> tuple[bool, str]:
@@ -96,7 +87,7 @@ class T5Config:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"Unknown remat_policy {self.remat_policy!r}; use one of "
                              f"{sorted(REMAT_POLICIES)}.")
-        _dtype(self.dtype), _dtype(self.param_dtype)
+        to_dtype(self.dtype), to_dtype(self.param_dtype)
 
     @property
     def inner_dim(self) -> int:
@@ -191,8 +182,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
 def _linear(in_features: int, out_features: int, axes: tuple[str | None, str | None],
             cfg: T5Config, rngs: nnx.Rngs) -> nnx.Linear:
     """A bias-free Linear (T5 has no biases anywhere) with logical axis names on its kernel."""
-    return nnx.Linear(in_features, out_features, use_bias=False, dtype=_dtype(cfg.dtype),
-                      param_dtype=_dtype(cfg.param_dtype), rngs=rngs,
+    return nnx.Linear(in_features, out_features, use_bias=False, dtype=to_dtype(cfg.dtype),
+                      param_dtype=to_dtype(cfg.param_dtype), rngs=rngs,
                       kernel_metadata={"logical_axes": axes})
 
 
@@ -200,10 +191,10 @@ class RMSNorm(nnx.Module):
     """T5LayerNorm with a learned scale [D] (initialised to 1)."""
 
     def __init__(self, cfg: T5Config):
-        self.scale = nnx.Param(jnp.ones((cfg.d_model,), _dtype(cfg.param_dtype)),
+        self.scale = nnx.Param(jnp.ones((cfg.d_model,), to_dtype(cfg.param_dtype)),
                                logical_axes=("embed",))
         self.eps = cfg.layer_norm_epsilon
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = to_dtype(cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps, self.dtype)
@@ -305,7 +296,7 @@ class T5Encoder(nnx.Module):
                  rules: tuple = sharding_lib.DEFAULT_RULES):
         self.cfg = cfg
         self.rules = sharding_lib.rules_from_config(rules)
-        param_dtype = _dtype(cfg.param_dtype)
+        param_dtype = to_dtype(cfg.param_dtype)
         # The vocabulary dim stays whole (there is no "vocab" rule); the model dim is FSDP-split.
         self.embedding = nnx.Param(
             nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype),
