@@ -30,6 +30,15 @@ def to_flux_config(model_config) -> flux.FluxConfig:
     return flux.FluxConfig.from_dict(model_config.to_dict())
 
 
+EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl")
+
+
+def execution_fields(model_config) -> dict:
+    """How a loaded transformer runs (not what it is): FluxConfig's execution fields from a
+    config's `model` section, for loaders that read the architecture from the checkpoint."""
+    return {k: model_config[k] for k in EXECUTION_FIELDS}
+
+
 def base_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0

@@ -29,13 +29,11 @@ _CONFIG = config_flags.DEFINE_config_file(
     "--config.section.field=value.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (created if missing).")
 
-_EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl")
-
 
 def _build_model(config, mesh, rules) -> flux.Flux:
     """From the checkpoint if the config names one (straight into shardings), else random."""
     if config.model.checkpoint:
-        execution = {k: config.model[k] for k in _EXECUTION_FIELDS}
+        execution = config_lib.execution_fields(config.model)
         return flux.from_pretrained(config.model.checkpoint, mesh=mesh, rules=rules, **execution)
     return flux.init_sharded(config_lib.to_flux_config(config.model), mesh, config.seed, rules)
 

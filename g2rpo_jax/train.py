@@ -24,14 +24,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
 
-from g2rpo_jax import evaluation, generator
+from g2rpo_jax import config_lib, evaluation, generator
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import update as update_lib
 from g2rpo_jax.rl.algorithms import Algorithm
-
-_EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl")
 
 
 def make_reward_fn(gen: generator.Generator, names, prompts, config):
@@ -81,7 +79,7 @@ def train(config, workdir: str, mesh, rules) -> dict:
     if not config.model.checkpoint:
         raise ValueError("config.model.checkpoint is empty: RL starts from a generator file "
                          "(the shipped base: configs/shapes_cpu.py sets it).")
-    execution = {k: config.model[k] for k in _EXECUTION_FIELDS}
+    execution = config_lib.execution_fields(config.model)
     gen = generator.load_generator(config.model.checkpoint, mesh, rules, **execution)
     algo = Algorithm.from_config(config.algorithm)
     settings = config.train
