@@ -17,7 +17,9 @@ def get_config():
     config.mode = "pretrain"
     num_steps = ml_collections.FieldReference(3000)  # the cosine decays over all of them
     config.pretrain = ml_collections.ConfigDict(dict(
-        num_steps=num_steps, batch_size=64, log_every=25, eval_every=500))
+        num_steps=num_steps, batch_size=64, log_every=25, eval_every=500,
+        # A generator file to continue from (same architecture); "" = from scratch.
+        init_checkpoint=""))
     config.optimizer = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=200, decay_steps=num_steps,
         b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))

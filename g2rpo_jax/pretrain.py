@@ -64,7 +64,17 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     from g2rpo_jax.data import shapes_tfds  # TODO(merge): top-level
 
     settings = config.pretrain
-    gen = generator.build_generator(config, mesh, config.seed, rules)
+    if settings.get("init_checkpoint"):
+        # Continue from a generator file (e.g. the shipped base) with a fresh schedule.
+        gen = generator.load_generator(settings.init_checkpoint, mesh, rules)
+        expected = generator.generator_config(config)
+        if {k: gen.config.get(k) for k in expected} != expected:
+            raise ValueError(f"pretrain.init_checkpoint {settings.init_checkpoint} holds a "
+                             "different architecture or vocabulary than this config's model/"
+                             "world sections; start from scratch (init_checkpoint='') or match "
+                             "the config to the file.")
+    else:
+        gen = generator.build_generator(config, mesh, config.seed, rules)
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
     train_source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
     per_host = settings.batch_size // jax.process_count()
@@ -118,8 +128,10 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     seconds = time.perf_counter() - start
     gen.flux = nnx.merge(flux_graphdef, params["flux"])
     gen.text_encoder = nnx.merge(enc_graphdef, params["text_encoder"])
+    gen.config = generator.generator_config(config)  # not the init file's metadata
     report = {"steps": settings.num_steps, "batch_size": settings.batch_size,
-              "seconds": seconds, "held_out": scores, "seed": config.seed}
+              "seconds": seconds, "held_out": scores, "seed": config.seed,
+              "init_checkpoint": os.path.basename(settings.get("init_checkpoint") or "")}
     if jax.process_index() == 0:
         path = generator.save_generator(os.path.join(workdir, "generator.safetensors"), gen,
                                         {"pretrain": report})

@@ -151,6 +151,29 @@ def test_short_pretraining_writes_a_loadable_generator(tmp_path, data_dir, mesh)
     assert losses and all(np.isfinite(losses))
 
 
+def test_pretraining_continues_from_a_generator_file(tmp_path, data_dir, mesh):
+    """pretrain.init_checkpoint loads the file's weights: with a zero learning rate the written
+    generator equals the shipped base tensor for tensor; another architecture is refused."""
+    config = load_config("shapes_pretrain.py")
+    config.pretrain.update(num_steps=2, batch_size=8, eval_every=0,
+                           init_checkpoint=generator.SHIPPED_BASE)
+    config.optimizer.update(learning_rate=0.0, warmup_steps=1)
+    config.evaluation.num_prompts = 8
+    config.data.images_per_prompt = 1
+    config.data.data_dir = str(data_dir)
+    rules = parallel.rules_from_config(config.sharding_rules)
+    pretrain.pretrain(config, str(tmp_path), mesh, rules)
+    written = generator.load_generator(str(tmp_path / "generator.safetensors"))
+    base = generator.load_generator(generator.SHIPPED_BASE)
+    for module in ("flux", "text_encoder"):
+        got = nnx.to_pure_dict(nnx.state(getattr(written, module), nnx.Param))
+        want = nnx.to_pure_dict(nnx.state(getattr(base, module), nnx.Param))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    config.model.num_layers = 1
+    with pytest.raises(ValueError, match="init_checkpoint .*different architecture"):
+        pretrain.pretrain(config, str(tmp_path / "other"), mesh, rules)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------

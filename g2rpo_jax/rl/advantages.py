@@ -56,11 +56,12 @@ def _clip(advantages: jax.Array, clip: float | None) -> jax.Array:
 
 # Jitted so that eager callers (host-side bookkeeping) pay one compile per shape, not one per op;
 # ``clip`` is static because ``None`` switches the clip off.
-@functools.partial(jax.jit, static_argnames=("clip",))
+@functools.partial(jax.jit, static_argnames=("clip", "scale_by_std"))
 def group_advantages(
     rewards: jax.Array,
     clip: float | None = DEFAULT_CLIP,
     eps: float = DEFAULT_EPS,
+    scale_by_std: bool = True,
 ) -> jax.Array:
     """Group-normalised advantages A = (r - mean(r)) / (std(r) + eps), clipped to [-clip, clip].
 
@@ -68,11 +69,17 @@ def group_advantages(
     equal gets advantages exactly 0 (not NaN, and not the amplified float rounding residue of its
     mean), so it contributes no gradient.
 
+    With ``scale_by_std=False`` the advantage is only centred, A = r - mean(r) (Dr. GRPO, Liu et
+    al., arXiv 2503.20783): a group whose members barely differ then weighs little instead of
+    being blown up to unit spread, so near-ties (e.g. one pixel flipping a verifier's decision)
+    do not enter the gradient at full strength.
+
     Args:
         rewards: ``[..., G]`` rewards; the last axis is the group of one prompt (and branch step),
             all leading axes are independent groups. G must be >= 2.
         clip: symmetric clip bound applied after normalisation; ``None`` disables clipping.
         eps: added to the std so that constant groups do not divide by zero.
+        scale_by_std: divide by the group's std (GRPO, the paper) or only centre (static).
 
     Returns:
         ``[..., G]`` advantages in float32 (or wider if the input is wider).
@@ -89,7 +96,7 @@ def group_advantages(
     # every advantage of the group by the same offset.
     centered = centered - jnp.mean(centered, axis=-1, keepdims=True)
     std = jnp.sqrt(jnp.sum(jnp.square(centered), axis=-1, keepdims=True) / (group_size - 1))
-    advantages = centered / (std + eps)
+    advantages = centered / (std + eps) if scale_by_std else centered
     # A constant group has no preference to express. In float32 its mean is generally not exact,
     # so the rounding residue (~1e-8) divided by a std of the same size would turn into O(1)
     # advantages: zero such groups explicitly.
@@ -98,12 +105,13 @@ def group_advantages(
     return _clip(advantages, clip)
 
 
-@functools.partial(jax.jit, static_argnames=("clip",))
+@functools.partial(jax.jit, static_argnames=("clip", "scale_by_std"))
 def integrate_advantages(
     rewards: jax.Array,
     weights: jax.Array,
     clip: float | None = DEFAULT_CLIP,
     eps: float = DEFAULT_EPS,
+    scale_by_std: bool = True,
 ) -> jax.Array:
     """Multi-Granularity Advantage Integration: A = clip(Σ_s w_s · normalise(r_s), ±clip).
 
@@ -119,6 +127,7 @@ def integrate_advantages(
         weights: ``[S]`` weight of each scale (all ones in the paper).
         clip: symmetric clip bound applied AFTER the weighted sum; ``None`` disables clipping.
         eps: added to each scale's std so that constant groups do not divide by zero.
+        scale_by_std: see :func:`group_advantages` (static).
 
     Returns:
         ``[..., G]`` integrated advantages.
@@ -142,7 +151,7 @@ def integrate_advantages(
         )
 
     def normalise_one_scale(scale_rewards: jax.Array) -> jax.Array:
-        return group_advantages(scale_rewards, clip=None, eps=eps)
+        return group_advantages(scale_rewards, clip=None, eps=eps, scale_by_std=scale_by_std)
 
     per_scale = jax.vmap(normalise_one_scale)(rewards)  # [S, ..., G]
     integrated = jnp.tensordot(weights.astype(per_scale.dtype), per_scale, axes=1)  # [..., G]

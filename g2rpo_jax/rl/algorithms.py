@@ -35,6 +35,7 @@ class Algorithm:
     end_at_zero: bool = True              # False: the reference's x̂0 decode when λ misses 0
     packing: str = "pack"                 # continuation lanes: "pack" or "pad"
     max_lanes: int = 0                    # 0 = no bound
+    antithetic: bool = False              # branch noise in ± pairs (variance reduction)
     # trajectory:
     shared_initial_noise: bool = True     # one x_T per group (DanceGRPO, MixGRPO)
     sde_window: int = 0                   # 0 = SDE at every step; > 0: MixGRPO's window size
@@ -45,6 +46,7 @@ class Algorithm:
     # update:
     clip_range: float = 1e-4
     advantage_clip: float = 5.0
+    advantage_std: bool = True            # divide by the group's std (GRPO) or only centre
     kl_beta: float = 0.0                  # Flow-GRPO's optional KL to the initial policy
     log_prob_reduce: str = "mean"         # "mean" (reference code) or "sum" (the density)
 
@@ -63,6 +65,9 @@ class Algorithm:
             raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}.")
         if self.rollout == "singular" and not self.branch_steps:
             raise ValueError("A singular rollout needs at least one branch step.")
+        if self.antithetic and (self.rollout != "singular" or self.group_size % 2):
+            raise ValueError(f"antithetic=True needs a singular rollout and an even group_size; "
+                             f"got rollout={self.rollout!r}, group_size={self.group_size}.")
 
     @classmethod
     def from_config(cls, config) -> "Algorithm":

@@ -76,7 +76,7 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
         xs, vs = rollout.ode_trajectory(velocity, x_init, sig)
         branch_x, old_log_prob = rollout.singular_branches(
             xs, vs, sig, algo.branch_steps, g, algo.eta, branch_key, algo.sde_step,
-            algo.log_prob_reduce)
+            algo.log_prob_reduce, algo.antithetic)
         finals = rollout.continue_branches(velocity, branch_x, plan, algo.granularities)
         k, j = finals.shape[:2]
         # Prompt-major for the reward: [P, K·J·G, N, C].
@@ -93,7 +93,8 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
         rewards = jnp.moveaxis(scores.reshape(r, p, k, j, g), (2, 3), (0, 1))  # [K, J, R, P, G]
         scales = jnp.moveaxis(rewards, 0, 2).reshape(j * r, k, p, g)           # [J·R, K, P, G]
         weights = adv_lib.scale_weights(jnp.asarray(algo.granularity_weights), reward_weights)
-        advantages = adv_lib.integrate_advantages(scales, weights, clip=algo.advantage_clip)
+        advantages = adv_lib.integrate_advantages(scales, weights, clip=algo.advantage_clip,
+                                                  scale_by_std=algo.advantage_std)
         finest = int(np.argmin(algo.granularities))
         stats = {"rewards": rewards,
                  "reward_mean": jnp.mean(rewards[:, finest], axis=(0, 2, 3)),
@@ -125,7 +126,8 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
         batch, mask = carry
         rewards = scores                                            # [R, P, G]
         advantages = adv_lib.integrate_advantages(rewards, reward_weights,
-                                                  clip=algo.advantage_clip)   # [P, G]
+                                                  clip=algo.advantage_clip,
+                                                  scale_by_std=algo.advantage_std)   # [P, G]
         stats = {"rewards": rewards, "reward_mean": jnp.mean(rewards, axis=(1, 2)),
                  "reward_std": jnp.mean(jnp.std(rewards, axis=-1, ddof=1), axis=1),
                  "sde_mask": mask}

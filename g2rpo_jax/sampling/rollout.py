@@ -99,9 +99,23 @@ def ode_trajectory(velocity: VelocityFn, x_init: jax.Array,
     return jnp.concatenate([xs, x_last[None]], axis=0), vs
 
 
+def antithetic_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Standard normal noise [P, G, ...] whose group members come in ± pairs: member G/2 + i
+    is −(member i). Each member is still N(0, I), so the branch's policy is unchanged; in the
+    group's advantage-weighted noise Σ_i A_i ε_i the even part of the reward (in ε) cancels,
+    leaving its odd (gradient) part: the variance reduction of antithetic evolution
+    strategies."""
+    p, g = shape[:2]
+    if g % 2:
+        raise ValueError(f"Antithetic branches need an even group_size, got {g}.")
+    half = jax.random.normal(key, (p, g // 2, *shape[2:]), jnp.float32)
+    return jnp.concatenate([half, -half], axis=1)
+
+
 def singular_branches(xs: jax.Array, vs: jax.Array, sigmas: jax.Array,
                       branch_steps: Sequence[int], group_size: int, eta: float, key: jax.Array,
-                      sde_step: str = "flow_grpo", reduce: str = "mean"):
+                      sde_step: str = "flow_grpo", reduce: str = "mean",
+                      antithetic: bool = False):
     """One SDE step from the anchor's x_k for every k and group member (no model calls: the
     anchor's velocity at x_k serves the whole group).
 
@@ -112,6 +126,8 @@ def singular_branches(xs: jax.Array, vs: jax.Array, sigmas: jax.Array,
       group_size: G.
       eta: SDE noise level.
       key: PRNG key.
+      sde_step, reduce: the SDE step and its log-prob reduction.
+      antithetic: draw the group's noise in ± pairs (`antithetic_noise`); G must be even.
 
     Returns:
       x_next [K, P, G, N, C] (at sigmas[k+1]) and old log-probs [K, P, G].
@@ -121,11 +137,19 @@ def singular_branches(xs: jax.Array, vs: jax.Array, sigmas: jax.Array,
 
     def branch(x_k, v_k, k, key):  # x_k, v_k [P, 1, N, C]
         p = x_k.shape[0]
+        grouped = (p, group_size, *x_k.shape[2:])
         shape = (p * group_size, *x_k.shape[2:])
-        x = jnp.broadcast_to(x_k, (p, group_size, *x_k.shape[2:])).reshape(shape)
-        v = jnp.broadcast_to(v_k, (p, group_size, *v_k.shape[2:])).reshape(shape)
-        x_next, log_prob, _, _ = step(x, v, sigmas, k, eta, key=key, reduce=reduce)
-        return x_next.reshape(p, group_size, *x_k.shape[2:]), log_prob.reshape(p, group_size)
+        x = jnp.broadcast_to(x_k, grouped).reshape(shape)
+        v = jnp.broadcast_to(v_k, grouped).reshape(shape)
+        if antithetic:
+            # The step's own mean and std, then x' = μ + s·ε with paired ε, scored as given.
+            _, _, mean, std = step(x, v, sigmas, k, eta, x_next=x, reduce=reduce)
+            noise = antithetic_noise(key, grouped).reshape(shape)
+            x_next = (mean + std * noise).astype(x.dtype)
+            _, log_prob, _, _ = step(x, v, sigmas, k, eta, x_next=x_next, reduce=reduce)
+        else:
+            x_next, log_prob, _, _ = step(x, v, sigmas, k, eta, key=key, reduce=reduce)
+        return x_next.reshape(grouped), log_prob.reshape(p, group_size)
 
     keys = jax.random.split(key, len(ks))
     return jax.vmap(branch)(xs[ks], vs[ks], jnp.asarray(ks), keys)

@@ -279,3 +279,19 @@ def test_scale_weights_order_matches_reshape(rng):
 def test_scale_weights_rejects_non_vectors():
     with pytest.raises(ValueError):
         scale_weights(jnp.ones((2, 2)), jnp.ones(2))
+
+
+def test_centred_only_advantages_hand_computed():
+    """scale_by_std=False (Dr. GRPO): A = r - mean(r), no division; the MGAI sum and the clip
+    act on these centred values."""
+    rewards = jnp.array([[0.25, 0.25, 0.5, 0.0], [0.3, 0.3, 0.3, 0.3]])
+    expected = np.array([[0.0, 0.0, 0.25, -0.25], [0.0, 0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(group_advantages(rewards, scale_by_std=False), expected, atol=1e-7)
+    scales = jnp.stack([rewards, 2 * rewards])
+    np.testing.assert_allclose(
+        integrate_advantages(scales, jnp.array([1.0, 1.0]), clip=0.5, scale_by_std=False),
+        np.clip(3 * expected, -0.5, 0.5), atol=1e-7)
+    # A near-tie weighs in proportion to its spread instead of being standardised to ±1.
+    tie = jnp.array([0.5, 0.5, 0.5, 0.5 + 1e-3])
+    assert float(jnp.max(jnp.abs(group_advantages(tie, scale_by_std=False)))) < 1e-3
+    assert float(jnp.max(jnp.abs(group_advantages(tie)))) > 1.0

@@ -92,3 +92,11 @@ def test_config_files_select_algorithms_by_argument(name):
     assert algo == algorithms.Algorithm.from_config(algorithms.preset(name))
     settings = update.settings_from_config(config)
     assert settings.guidance == 3.5 and settings.steps_per_update == 1
+
+
+def test_antithetic_needs_singular_and_even_group():
+    assert algorithms.Algorithm(antithetic=True, group_size=8).antithetic
+    with pytest.raises(ValueError, match="even group_size"):
+        algorithms.Algorithm(antithetic=True, group_size=7)
+    with pytest.raises(ValueError, match="singular rollout"):
+        algorithms.Algorithm(rollout="trajectory", antithetic=True, group_size=8)

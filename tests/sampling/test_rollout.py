@@ -241,6 +241,35 @@ def test_singular_branches_keys(sigmas8):
     assert np.max(np.abs(np.asarray(x1 - x3))) > 1e-2
 
 
+def test_singular_branches_antithetic_pairs(sigmas8):
+    """Members i and G/2 + i mirror each other around the anchor's SDE mean (hand formula
+    np_flow_grpo), share their log-prob, and the recorded log-prob is the density of the
+    sample."""
+    n, ch, g = 16, 4, 6
+    xs, vs = _anchor(seed=4, n=n, ch=ch)
+    ks = (0, 3, 6)
+    eta = 0.7
+    x_next, old_lp = jax.jit(functools.partial(
+        rollout.singular_branches, branch_steps=ks, group_size=g, eta=eta, antithetic=True))(
+            xs, vs, sigmas8, key=jax.random.key(3))
+    s = f64(sigmas8)
+    for a, k in enumerate(ks):
+        for p in range(P):
+            mean, std = np_flow_grpo(f64(xs[k, p, 0]), f64(vs[k, p, 0]), s, k, eta)
+            z = (f64(x_next[a, p]) - mean) / std                      # [G, n, ch]
+            np.testing.assert_allclose(z[: g // 2], -z[g // 2:], atol=1e-4)
+            assert np.all(np.abs(z[: g // 2].std(axis=(1, 2)) - 1) < 0.3)
+            for i in range(g):
+                np.testing.assert_allclose(float(old_lp[a, p, i]),
+                                           np_log_prob(f64(x_next[a, p, i]), mean, std),
+                                           rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(old_lp[a, p, : g // 2], old_lp[a, p, g // 2:], atol=1e-5)
+    # Different halves for different steps and prompts (independent keys per k).
+    assert np.max(np.abs(f64(x_next[0, 0, 0]) - f64(x_next[1, 0, 0]))) > 1e-2
+    with pytest.raises(ValueError, match="even group_size"):
+        rollout.antithetic_noise(jax.random.key(0), (2, 3, 4))
+
+
 def test_step_fn_names():
     assert rollout.step_fn("flow_grpo") is sde.flow_grpo_step
     assert rollout.step_fn("dance_grpo") is sde.dance_grpo_step
