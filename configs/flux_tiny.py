@@ -1,19 +1,62 @@
-"""A tiny FLUX-architecture transformer (hidden 64, 2+2 blocks) that runs anywhere in seconds.
+"""The FLUX path at toy size: FLUX.1-dev's architecture family (hidden 64, 2+2 blocks, T5 and
+CLIP text encoders, the FLUX autoencoder, CLIP-based rewards), random weights written by the
+test fixture. Runs anywhere in seconds.
 
-  python -m g2rpo_jax.main --config=configs/flux_tiny.py --workdir=/tmp/flux_tiny
+  python -m g2rpo_jax.main --config=configs/flux_tiny.py --workdir=/tmp/flux_tiny   # describe
+
+The whole path on the tiny checkpoints (README, "FLUX path"):
+
+  python -m g2rpo_jax.testing.flux_fixture DIR          # prints the --config.* flags below
+  python -m g2rpo_jax.preprocess --config=configs/flux_tiny.py FLAGS
+  python -m g2rpo_jax.main --config=configs/flux_tiny.py --config.mode=train --workdir=W FLAGS
+  python -m g2rpo_jax.evaluate --config=configs/flux_tiny.py --checkpoint=W/checkpoints FLAGS
+
+with FLAGS = --config.model.checkpoint=DIR/flux --config.data.prompts_file=DIR/prompts/train.txt
+--config.data.eval_prompts_file=DIR/prompts/eval.txt --config.data.data_dir=DIR/tfds
+--config.reward.root=DIR/rewards.
 """
 
+import ml_collections
+
 from g2rpo_jax import config_lib
-from g2rpo_jax.rl import algorithms
+from g2rpo_jax.testing import flux_fixture
 
 
 def get_config(algorithm: str = "g2rpo"):
-    config = config_lib.base_config()
-    config.algorithm = algorithms.preset(algorithm)
-    config.model = config_lib.flux_model_config(
-        num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=4,
-        joint_attention_dim=64, pooled_projection_dim=32, in_channels=16,
-        axes_dims_rope=(4, 6, 6), guidance_embeds=True)
+    config = config_lib.flux_config(algorithm)
+    # describe by default (the tiny transformer's parameters, shardings and forward time);
+    # --config.mode=train runs RL, which needs the fixture's checkpoints.
+    config.mode = "describe"
+    config.model = config_lib.flux_model_config(**flux_fixture.TRANSFORMER)
     config.describe.image_tokens = 64
     config.describe.text_tokens = 16
+
+    config.autoencoder.dtype = "float32"
+    config.text.dtype = "float32"
+    config.text.t5_max_length = 16
+    config.image.height = config.image.width = flux_fixture.IMAGE_SIZE
+    config.data.max_prompts = 0
+    config.data.storage_dtype = "float32"
+    config.data.chunk_size = 8
+
+    # 6 steps, groups of 4, branches at steps 0 and 1; Λ = {1, 2, 3} as the paper's.
+    config.sampling.num_steps = 6
+    config.algorithm.group_size = 4
+    if config.algorithm.rollout == "singular":
+        config.algorithm.branch_steps = (0, 1)
+    config.optimizer.learning_rate = 1e-4
+    config.update_step.steps_per_update = 0   # one accumulated step per iteration
+    config.train = ml_collections.ConfigDict(dict(
+        num_iterations=2, prompts_per_iteration=8, eval_every=1, checkpoint_every=0,
+        images_in_grid=8))
+
+    # The fixture's reward checkpoints (flux_fixture.write_tiny_rewards) under reward.root;
+    # architectures are read from the files (config "" = inferred).
+    config.reward.batch_size = 0
+    config.reward.models.hps.path = "hps.pt"
+    config.reward.models.hps.tokenizer = "tokenizer"
+    config.reward.models.hps.config = ""
+    config.reward.models.clip_score.path = "clip_score"
+    config.reward.models.clip_score.tokenizer = "tokenizer"
+    config.reward.models.pickscore.path = "pickscore"
     return config

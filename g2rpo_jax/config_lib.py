@@ -42,6 +42,9 @@ def execution_fields(model_config) -> dict:
 def base_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0
+    # What the RL and evaluation code runs on (g2rpo_jax.tasks): "flux" (the real FLUX.1 stack:
+    # flux_config) or "shapes" (the embedded world: shapes_config).
+    config.task = "flux"
     # What `main` does. "describe": build the mesh and model, report parameters and shardings,
     # optionally time a forward pass. Later modes: train, pretrain, evaluate.
     config.mode = "describe"
@@ -82,11 +85,78 @@ def base_config() -> ml_collections.ConfigDict:
     return config
 
 
+def reward_model(kind: str, path: str = "", **options) -> ml_collections.ConfigDict:
+    """One reward model of `config.reward.models`: `rewards.get(kind, path, **options)`.
+
+    Empty options are not passed, except `config=""`: None, i.e. the architecture is read from
+    the checkpoint's config file or inferred from its shapes. `path`, `tokenizer` and
+    `clip_path` may be relative to `config.reward.root`; an empty `tokenizer` of hps /
+    clip_score means FLUX.1's own tokenizer/ (the same CLIP BPE as OpenCLIP's)."""
+    return ml_collections.ConfigDict(dict(kind=kind, path=path, **options))
+
+
+def flux_config(algorithm: str = "g2rpo") -> ml_collections.ConfigDict:
+    """RL and evaluation of FLUX.1 (task "flux"), with the paper's settings (method.md):
+    prompts from preprocessed embedding datasets (g2rpo_jax.preprocess), the FLUX autoencoder,
+    and the reward models of the registry (HPS-v2.1 trained; CLIP score and PickScore reported).
+    Paths are empty; a config file or the command line sets them."""
+    config = base_config()
+    config.mode = "train"
+    config.model = flux_model_config(dtype="bfloat16", param_dtype="float32",
+                                     remat_policy="full")
+    # The FLUX autoencoder: a diffusers vae/ folder or a folder containing it; "" = the
+    # folder of model.checkpoint.
+    config.autoencoder = ml_collections.ConfigDict(dict(path="", dtype="bfloat16"))
+    # The text encoders (used by preprocessing only): a folder with text_encoder/, tokenizer/,
+    # text_encoder_2/, tokenizer_2/; "" = model.checkpoint. FLUX.1-dev: T5 length 512.
+    config.text = ml_collections.ConfigDict(dict(path="", dtype="bfloat16", t5_max_length=512,
+                                                 clip_max_length=77))
+    # Sampled image size in pixels (latents: /8 by the autoencoder, then 2×2 patches).
+    config.image = ml_collections.ConfigDict(dict(height=720, width=720))
+    # Prompts (HPDv2 style text files) and their preprocessed embedding datasets, stored
+    # under data_dir ("" = TFDS's default) as prompt_embeddings/<name>/ (name "" = the prompts
+    # file's stem). The reference code trained on the first 50,000 HPDv2 training prompts and
+    # evaluates on HPDv2's 400 test prompts. chunk_size: prompts per resumable work unit.
+    config.data = ml_collections.ConfigDict(dict(
+        prompts_file="", eval_prompts_file="", max_prompts=50_000, max_eval_prompts=0,
+        name="", eval_name="", data_dir="", storage_dtype="bfloat16", chunk_size=256,
+        keep_chunks=False))
+    config.sampling.num_steps = 16
+    config.sampling.shift = 3.0
+    config.sampling.guidance = 3.5
+    # train: rewards trained on, in the advantage with `weights` (HPS, or HPS + CLIP score with
+    # unit weights: --config.reward.train='("hps","clip_score")' --config.reward.weights=
+    # '(1.0,1.0)'); evaluate: rewards reported on held-out prompts (in-domain = trained on,
+    # out-of-domain = the rest, as the paper's Table 1). batch_size: images decoded and
+    # scored per call on each host (0 = all at once).
+    config.reward = ml_collections.ConfigDict(dict(
+        train=("hps",), weights=(1.0,), evaluate=("hps", "clip_score", "pickscore"), root="",
+        batch_size=32,
+        models=ml_collections.ConfigDict(dict(
+            hps=reward_model("hps", "HPS_v2.1_compressed.pt", tokenizer="", config="ViT-H-14",
+                             dtype=""),
+            clip_score=reward_model("clip_score", "DFN5B-CLIP-ViT-H-14-378", tokenizer="",
+                                    config="", dtype=""),
+            pickscore=reward_model("pickscore", "PickScore_v1", tokenizer="", dtype=""),
+        ))))
+    # The presets' defaults are the paper's (G = 12, k ∈ 0..7, η = 0.7, ε = 1e-4).
+    config.algorithm = algorithms.preset(algorithm)
+    config.train = ml_collections.ConfigDict(dict(
+        num_iterations=300, prompts_per_iteration=16, eval_every=50, checkpoint_every=50,
+        images_in_grid=16))
+    # Held-out evaluation: fixed noise (seed), the ODE sampler; num_prompts 0 = every prompt
+    # of the evaluation dataset.
+    config.evaluation = ml_collections.ConfigDict(dict(num_prompts=0, samples_per_prompt=1,
+                                                       seed=1234))
+    return config
+
+
 def shapes_config() -> ml_collections.ConfigDict:
     """The embedded world (g2rpo_jax.data.world): a tiny FLUX-architecture transformer over
     32×32 images packed 4×4 → 64 tokens of 48 channels, a learned word encoder, no guidance
     embedding. Shared by shapes_pretrain.py and shapes_cpu.py."""
     config = base_config()
+    config.task = "shapes"
     config.model = flux_model_config(
         num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=4,
         joint_attention_dim=64, pooled_projection_dim=64, in_channels=48,

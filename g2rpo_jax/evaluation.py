@@ -1,5 +1,7 @@
 """Held-out evaluation of a generator: deterministic ODE samples from fixed noise, scored by the
 in-domain verifier, the out-of-domain learned judge and the image-quality probe; image grids.
+The FLUX task gives `Evaluator` its precomputed conditioning and its reward models instead
+(`cond=`, `score_fn=`; g2rpo_jax/tasks/flux.py).
 
 Scores (each a mean over held-out prompts × samples, in [0, 1]):
   in_domain       `rewards.verifier.score` (count, colour, shape, size, relation checks)
@@ -56,15 +58,34 @@ def judge_fn(config, prompts: Sequence[str]):
 
 class Evaluator:
     """Samples and scores a fixed set of prompts with fixed noise, so that evaluations of
-    different parameters (base, during training, final) are directly comparable."""
+    different parameters (base, during training, final) are directly comparable.
+
+    Args:
+      config: the run config (`sampling`, `evaluation`; `reward.judge_path` for the judge).
+      gen: the model bundle: `flux`, `latent_shape`, `decode(latents [..., N, C]) -> images`,
+        and `encode(prompts, mesh) -> cond` unless `cond` is given.
+      prompts: the held-out prompts [P].
+      mesh: the device mesh.
+      scorers: the score names, in report order.
+      cond: the prompts' conditioning, precomputed ({"txt" [P, T, D], "y" [P, Dy], "txt_ids",
+        "img_ids"}, host arrays): the FLUX task's, read from its embedding dataset.
+      score_fn: `score_fn(images [P, M, H, W, 3], prompts) -> {name: float [P, M]}` for every
+        scorer; default: the embedded world's scores (`score_images`).
+    """
 
     def __init__(self, config, gen, prompts: Sequence[str], mesh,
-                 scorers: Sequence[str] = SCORES):
-        unknown = set(scorers) - set(SCORES)
-        if unknown:
-            raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
+                 scorers: Sequence[str] = SCORES, *, cond: dict | None = None, score_fn=None):
         self.gen, self.mesh, self.scorers = gen, mesh, tuple(scorers)
         self.prompts = list(prompts)
+        if score_fn is None:
+            unknown = set(scorers) - set(SCORES)
+            if unknown:
+                raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
+            judge = judge_fn(config, self.prompts) if "out_of_domain" in scorers else None
+            self.score_fn = lambda images, prompts: score_images(images, prompts, self.scorers,
+                                                                 judge)
+        else:
+            self.score_fn = score_fn
         batch_devices = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         # Pad the prompt batch to split evenly over the batch axes; padding rows are dropped.
         padded = -len(self.prompts) % batch_devices
@@ -76,8 +97,12 @@ class Evaluator:
         self.noise = jax.random.normal(jax.random.key(config.evaluation.seed),
                                        (len(self._padded_prompts), self.samples, n, c))
         self.graphdef = nnx.graphdef(gen.flux)
+        self._fixed_cond = cond is not None
         self.cond = None
-        self._judge = judge_fn(config, self.prompts) if "out_of_domain" in scorers else None
+        if cond is not None:
+            cond = {k: (np.concatenate([v, np.repeat(v[:1], padded, 0)])
+                        if k in rollout.PER_PROMPT_COND else v) for k, v in cond.items()}
+            self.cond = rollout.place_cond(cond, mesh)
 
         @jax.jit
         def sample(params, cond, noise):
@@ -88,6 +113,9 @@ class Evaluator:
     def images(self, params, text_encoder=None) -> np.ndarray:
         """[P, M, H, W, 3] float images in [0, 1] (text_encoder: re-encode the prompts, as in
         pre-training where the encoder changes; otherwise encoded once)."""
+        if text_encoder is not None and self._fixed_cond:
+            raise ValueError("This evaluator's conditioning is precomputed; it cannot re-encode "
+                             "the prompts with a text encoder.")
         if text_encoder is not None or self.cond is None:
             if text_encoder is not None:
                 self.gen.text_encoder = text_encoder
@@ -96,10 +124,18 @@ class Evaluator:
             latents = self._sample(params, self.cond, self.noise)
         return np.asarray(self.gen.decode(latents))[:len(self.prompts)]
 
-    def scores(self, params, text_encoder=None) -> dict[str, float]:
+    def per_image_scores(self, params, text_encoder=None) -> dict[str, np.ndarray]:
+        """{name: float32 [P, M]} of fresh samples (kept as last_images / last_scores)."""
         images = self.images(params, text_encoder)
         self.last_images = images
-        return mean_scores(images, self.prompts, self.scorers, self._judge)
+        scores = self.score_fn(images, self.prompts)
+        self.last_scores = {name: np.asarray(scores[name], np.float32) for name in self.scorers}
+        return self.last_scores
+
+    def scores(self, params, text_encoder=None) -> dict[str, float]:
+        """Mean of each score over prompts and samples, in `scorers` order."""
+        per_image = self.per_image_scores(params, text_encoder)
+        return {name: float(values.mean()) for name, values in per_image.items()}
 
 
 def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],

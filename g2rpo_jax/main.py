@@ -8,7 +8,10 @@ what runs:
   describe  build the mesh and the model, report parameter counts and shardings, and time one
             forward pass on a dummy batch (writes DIR/describe.json).
   pretrain  flow-matching pre-training of a generator (g2rpo_jax/pretrain.py).
-  train     RL fine-tuning of a generator with the configured algorithm (g2rpo_jax/train.py).
+  train     RL fine-tuning with the configured algorithm (g2rpo_jax/train.py) on the task
+            `config.task`: "shapes" (the embedded world) or "flux" (FLUX.1 with preprocessed
+            prompt embeddings: python -m g2rpo_jax.preprocess first).
+Held-out evaluation of a checkpoint: python -m g2rpo_jax.evaluate (g2rpo_jax/evaluate.py).
 """
 
 import json

@@ -16,7 +16,6 @@ records h, h + H, h + 2H, ... of it, so the hosts' batches are disjoint and toge
 epoch once. Records are read by random access (`as_data_source`); tensorflow is never imported.
 """
 
-from collections.abc import Iterator
 import dataclasses
 import os
 
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
+from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import world
 
 VERSION = "1.0.0"
@@ -130,48 +130,5 @@ def load_split(data_dir: str | None, split: str, settings: ShapesConfig):
     return source
 
 
-class Reader(Iterator):
-    """Endless per-host batches {"image": uint8 [B, S, S, 3], "prompt": [B] str} of a source,
-    reshuffled every epoch; a batch never spans two epochs (the epoch's tail that does not fill
-    a whole global batch is dropped, so every host sees the same number of batches)."""
-
-    def __init__(self, source, batch_size: int, seed: int = 0,
-                 process_index: int | None = None, process_count: int | None = None):
-        self.source = source
-        self.batch_size = batch_size
-        self.seed = seed
-        self.process_index = jax.process_index() if process_index is None else process_index
-        self.process_count = jax.process_count() if process_count is None else process_count
-        global_batch = batch_size * self.process_count
-        if batch_size < 1:
-            raise ValueError(f"The per-host batch size must be at least 1; got {batch_size}.")
-        if len(source) == 0:
-            raise ValueError("The split has 0 records: it is empty. Build it with prompts in it "
-                             "(world.held_out_fraction, data.images_per_prompt).")
-        if len(source) < global_batch:
-            raise ValueError(f"The split has {len(source)} records, fewer than one global batch "
-                             f"of {global_batch} ({batch_size} per host × {self.process_count} "
-                             "hosts): lower the batch size.")
-        self.batches_per_epoch = len(source) // global_batch
-        self.epoch, self.position = 0, 0
-        self._order = self._epoch_order()
-
-    def _epoch_order(self) -> np.ndarray:
-        """This host's record indices for the current epoch, [batches_per_epoch · B]."""
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.source))
-        used = order[:self.batches_per_epoch * self.batch_size * self.process_count]
-        return used[self.process_index::self.process_count]
-
-    def __next__(self) -> dict:
-        if self.position == self.batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order()
-        start = self.position * self.batch_size
-        indices = self._order[start:start + self.batch_size]
-        self.position += 1
-        records = self.source.__getitems__(list(map(int, indices))) \
-            if hasattr(self.source, "__getitems__") else [self.source[int(i)] for i in indices]
-        prompts = [r["prompt"].decode() if isinstance(r["prompt"], bytes) else str(r["prompt"])
-                   for r in records]
-        return {"image": np.stack([np.asarray(r["image"], np.uint8) for r in records]),
-                "prompt": prompts}
+# Per-host batches of a split (shared with the FLUX prompt-embedding datasets).
+Reader = reader_lib.Reader

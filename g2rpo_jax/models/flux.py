@@ -608,6 +608,32 @@ def bfl_config_from_checkpoint(checkpoint: "weights.SafetensorsCheckpoint", **ov
     return FluxConfig(**inferred)
 
 
+def _open_pretrained(path: str | os.PathLike, **config_overrides):
+    """(FluxConfig, checkpoint, "diffusers" | "bfl") of a checkpoint path (tensors not read)."""
+    path = os.fspath(path)
+    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "transformer")):
+        path = os.path.join(path, "transformer")
+    if os.path.isdir(path):
+        config_file = os.path.join(path, "config.json")
+        if not os.path.exists(config_file):
+            raise FileNotFoundError(f"{path} has no config.json: expected a diffusers transformer/ "
+                                    "folder (config.json + diffusion_pytorch_model*.safetensors).")
+        with open(config_file) as f:
+            values = json.load(f)
+        values.update(config_overrides)
+        return FluxConfig.from_dict(values), weights.SafetensorsCheckpoint(path), "diffusers"
+    if os.path.isfile(path):
+        checkpoint = weights.SafetensorsCheckpoint(path)
+        return bfl_config_from_checkpoint(checkpoint, **config_overrides), checkpoint, "bfl"
+    raise FileNotFoundError(f"No FLUX checkpoint at {path}: give a diffusers transformer/ "
+                            "folder or a BFL flux1-*.safetensors file.")
+
+
+def load_config(path: str | os.PathLike, **config_overrides) -> FluxConfig:
+    """The FluxConfig of a checkpoint (as `from_pretrained` reads it), without its weights."""
+    return _open_pretrained(path, **config_overrides)[0]
+
+
 def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
                     mesh: jax.sharding.Mesh | None = None, rules=sharding_lib.DEFAULT_RULES,
                     **config_overrides) -> Flux:
@@ -629,29 +655,10 @@ def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
       FileNotFoundError: no checkpoint at path.
       weights.CheckpointMismatchError: a missing, unexpected or mis-shaped tensor (named).
     """
-    path = os.fspath(path)
     if dtype is not None:
         config_overrides["dtype"] = dtype
-    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "transformer")):
-        path = os.path.join(path, "transformer")
-    if os.path.isdir(path):
-        config_file = os.path.join(path, "config.json")
-        if not os.path.exists(config_file):
-            raise FileNotFoundError(f"{path} has no config.json: expected a diffusers transformer/ "
-                                    "folder (config.json + diffusion_pytorch_model*.safetensors).")
-        with open(config_file) as f:
-            values = json.load(f)
-        values.update(config_overrides)
-        cfg = FluxConfig.from_dict(values)
-        checkpoint = weights.SafetensorsCheckpoint(path)
-        key_map = _diffusers_key_map(cfg)
-    elif os.path.isfile(path):
-        checkpoint = weights.SafetensorsCheckpoint(path)
-        cfg = bfl_config_from_checkpoint(checkpoint, **config_overrides)
-        key_map = _bfl_key_map(cfg)
-    else:
-        raise FileNotFoundError(f"No FLUX checkpoint at {path}: give a diffusers transformer/ "
-                                "folder or a BFL flux1-*.safetensors file.")
+    cfg, checkpoint, layout = _open_pretrained(path, **config_overrides)
+    key_map = _diffusers_key_map(cfg) if layout == "diffusers" else _bfl_key_map(cfg)
     if mesh is not None:
         validate_mesh(cfg, mesh)
     graphdef, abstract_state = nnx.split(abstract_model(cfg, rules))

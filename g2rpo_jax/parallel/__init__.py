@@ -1,5 +1,6 @@
 """Everything that touches devices: meshes, logical axis rules, shardings, multi-host start-up."""
 
+from g2rpo_jax.parallel.host import from_local_rows, local_rows, to_host
 from g2rpo_jax.parallel.mesh import (
     MESH_AXES,
     MeshError,
@@ -12,6 +13,7 @@ from g2rpo_jax.parallel.sharding import (
     DEFAULT_RULES,
     batch_sharding,
     logical_to_spec,
+    optimizer_state_shardings,
     replicate_unplaced,
     rules_from_config,
     sharding_table,
@@ -27,7 +29,11 @@ __all__ = [
     "sharding_table",
     "initialize_distributed",
     "logical_to_spec",
+    "optimizer_state_shardings",
     "replicate_unplaced",
+    "from_local_rows",
+    "local_rows",
+    "to_host",
     "make_mesh",
     "mesh_from_config",
     "resolve_mesh_shape",

@@ -83,7 +83,17 @@ def make_mesh(sizes: Mapping[str, int] | Sequence[int], axis_types: str = "auto"
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(sizes, len(devices))
     types = (_AXIS_TYPES[axis_types],) * len(MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    except NotImplementedError as e:
+        # A TPU torus whose axes cannot be grouped into these sizes (fsdp=8 on a v5p-128's
+        # 4x4x4: each mesh axis must be a product of whole physical axes). Split physical axes,
+        # as jax itself does on v5e, rather than refuse a mesh that works.
+        from jax.experimental import mesh_utils
+
+        logger.info("Mesh %s: %s; splitting physical axes.", shape, str(e).split(".")[0])
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=types)
 
 
 def mesh_from_config(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -99,6 +109,10 @@ def initialize_distributed(distributed_config) -> None:
     be left empty: `jax.distributed.initialize()` discovers the coordinator from the environment.
     Elsewhere (e.g. several processes on one machine) give coordinator_address, num_processes
     and process_id.
+
+    With `single_process_fallback` (a pod config run on a workstation, e.g. `mode=describe`), an
+    environment where jax detects no cluster and no coordinator is configured runs as one
+    process with a warning instead of failing.
     """
     if not distributed_config.get("enabled", False):
         return
@@ -107,7 +121,19 @@ def initialize_distributed(distributed_config) -> None:
         value = distributed_config.get(name, None)
         if value not in (None, "", -1):
             kwargs[name] = value
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except ValueError as e:
+        # jax raises ValueError ("coordinator_address should be defined") when it detects no
+        # cluster (TPU pod, SLURM, MPI, Kubernetes) and none was given.
+        if kwargs or not distributed_config.get("single_process_fallback", False):
+            raise ValueError(
+                f"jax.distributed.initialize() failed ({e}). On a TPU pod run the job on every "
+                "TPU VM; elsewhere set distributed.coordinator_address, num_processes and "
+                "process_id, or distributed.enabled=False for a single process.") from e
+        logger.warning("distributed.enabled but no cluster environment was detected (%s): "
+                       "running as a single process.", e)
+        return
     logger.info("JAX distributed: process %d of %d, %d local / %d global devices.",
                 jax.process_index(), jax.process_count(), jax.local_device_count(),
                 jax.device_count())

@@ -6,7 +6,8 @@ torchvision dependency from PyPI is a CUDA build that cannot load next to the CP
 breaks every `transformers` model import. open_clip's model code needs torchvision only for
 names it imports at module level (image transforms, FrozenBatchNorm2d), so `_import_open_clip`
 imports it with a placeholder torchvision that is removed right after. The OpenCLIP layout is
-also checked by writing it from a transformers model with the key mapping `hf_to_open_clip`.
+also checked by writing it from a transformers model with the key mapping `hf_to_open_clip`
+(g2rpo_jax/testing/clip_reference.py).
 """
 
 import contextlib
@@ -26,6 +27,7 @@ import torch
 from g2rpo_jax import parallel
 from g2rpo_jax.models import clip, clip_text, weights
 from g2rpo_jax.models.safetensors_io import write_safetensors
+from g2rpo_jax.testing.clip_reference import byte_level_tokenizer, hf_to_open_clip, randomize
 
 TEXT = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=16)
@@ -38,15 +40,6 @@ TOL = 1e-4
 # Reference models.
 
 
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Perturbs every parameter, so zero-initialised biases and unit LayerNorms are checked too."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
 def tiny_hf_clip(eos_token_id: int, text_act: str, vision_act: str, seed: int, **overrides):
     from transformers import CLIPConfig, CLIPModel
 
@@ -55,54 +48,6 @@ def tiny_hf_clip(eos_token_id: int, text_act: str, vision_act: str, seed: int, *
                      **overrides)
     torch.manual_seed(seed)
     return randomize(CLIPModel(cfg), seed)
-
-
-def hf_to_open_clip(sd: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """The documented mapping transformers CLIPModel → OpenCLIP state dict (numpy):
-
-    text_model.embeddings.token_embedding.weight    → token_embedding.weight
-    text_model.embeddings.position_embedding.weight → positional_embedding
-    text_model.encoder.layers.N.{layer_norm1,layer_norm2} → transformer.resblocks.N.{ln_1,ln_2}
-    ....self_attn.{q,k,v}_proj.{weight,bias}        → ....attn.in_proj_{weight,bias} (rows q;k;v)
-    ....self_attn.out_proj                          → ....attn.out_proj
-    ....mlp.fc1 / mlp.fc2                           → ....mlp.c_fc / mlp.c_proj
-    text_model.final_layer_norm                     → ln_final
-    text_projection.weight [E, D]                   → text_projection [D, E] (transposed)
-    vision_model.embeddings.{patch_embedding.weight, class_embedding, position_embedding.weight}
-                                 → visual.{conv1.weight, class_embedding, positional_embedding}
-    vision_model.{pre_layrnorm, post_layernorm}     → visual.{ln_pre, ln_post}
-    vision_model.encoder.layers.N...                → visual.transformer.resblocks.N... (as text)
-    visual_projection.weight [E, D]                 → visual.proj [D, E]; logit_scale as is.
-    """
-    sd = {k: v.detach().numpy() for k, v in sd.items() if not k.endswith("position_ids")}
-    out = {
-        "token_embedding.weight": sd["text_model.embeddings.token_embedding.weight"],
-        "positional_embedding": sd["text_model.embeddings.position_embedding.weight"],
-        "ln_final.weight": sd["text_model.final_layer_norm.weight"],
-        "ln_final.bias": sd["text_model.final_layer_norm.bias"],
-        "text_projection": sd["text_projection.weight"].T,
-        "visual.conv1.weight": sd["vision_model.embeddings.patch_embedding.weight"],
-        "visual.class_embedding": sd["vision_model.embeddings.class_embedding"],
-        "visual.positional_embedding": sd["vision_model.embeddings.position_embedding.weight"],
-        "visual.proj": sd["visual_projection.weight"].T,
-        "logit_scale": sd["logit_scale"],
-    }
-    for ours, theirs in (("ln_pre", "pre_layrnorm"), ("ln_post", "post_layernorm")):
-        for leaf in ("weight", "bias"):
-            out[f"visual.{ours}.{leaf}"] = sd[f"vision_model.{theirs}.{leaf}"]
-    for tower, target in (("text_model", "transformer"), ("vision_model", "visual.transformer")):
-        layers = {int(k.split(".")[3]) for k in sd if k.startswith(f"{tower}.encoder.layers.")}
-        for i in sorted(layers):
-            src, dst = f"{tower}.encoder.layers.{i}", f"{target}.resblocks.{i}"
-            for leaf in ("weight", "bias"):
-                out[f"{dst}.attn.in_proj_{leaf}"] = np.concatenate(
-                    [sd[f"{src}.self_attn.{p}_proj.{leaf}"] for p in "qkv"])
-                pairs = (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"),
-                         ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"),
-                         ("mlp.c_proj", "mlp.fc2"))
-                for a, b in pairs:
-                    out[f"{dst}.{a}.{leaf}"] = sd[f"{src}.{b}.{leaf}"]
-    return {k: np.asarray(v, order="C") for k, v in out.items()}  # keeps 0-d logit_scale 0-d
 
 
 @contextlib.contextmanager
@@ -478,15 +423,6 @@ def test_converter_handles_prefixes_bf16_and_extras(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers and sizes.
-
-
-def byte_level_tokenizer():
-    """A CLIP tokenizer with only the byte symbols (no merges), ids 0..513; 513 = end token."""
-    symbols = list(clip_text._bytes_to_unicode().values())
-    vocab_list = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
-    from transformers import CLIPTokenizer
-
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab_list)}, merges=[])
 
 
 def test_tokenize_layout(tmp_path):

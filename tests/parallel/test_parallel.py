@@ -139,3 +139,64 @@ def test_two_processes_form_one_global_mesh(tmp_path):
         assert procs[i].returncode == 0, out
         result = [line for line in out.splitlines() if line.startswith("RESULT")]
         assert result == [f"RESULT {i} 4 4 6.0"], out
+
+
+def test_optimizer_state_follows_the_parameters():
+    """AdamW's moments take the parameters' FSDP layout; jit alone would leave them on one
+    device (then replicated: 2 × 44 GiB per chip for FLUX.1-dev)."""
+    import optax
+
+    mesh = parallel.make_mesh({"fsdp": -1})
+    sharding = jax.sharding.NamedSharding(mesh, P("fsdp"))
+    params = {"w": jax.device_put(jnp.ones((16, 4)), sharding), "b": jnp.zeros((3,))}
+    params["b"] = jax.device_put(params["b"], jax.sharding.NamedSharding(mesh, P()))
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    assert not isinstance(jax.jit(optimizer.init)(params)[1][0].mu["w"].sharding,
+                          jax.sharding.NamedSharding)
+    shardings = parallel.optimizer_state_shardings(
+        optimizer, jax.eval_shape(optimizer.init, params),
+        jax.tree.map(lambda a: a.sharding, params), mesh)
+    state = jax.jit(optimizer.init, out_shardings=shardings)(params)
+    adam = state[1][0]
+    assert adam.mu["w"].sharding.spec == P("fsdp") and adam.nu["w"].sharding.spec == P("fsdp")
+    assert adam.mu["b"].sharding.spec == P() and adam.count.sharding.spec == P()
+    assert adam.count.sharding.mesh == mesh
+
+
+_NO_CLUSTER = textwrap.dedent("""
+    import jax
+    import ml_collections
+    from g2rpo_jax import parallel
+    config = ml_collections.ConfigDict(dict(enabled=True, coordinator_address="",
+                                            num_processes=-1, process_id=-1))
+    try:
+        parallel.initialize_distributed(config)
+    except ValueError as e:
+        print("ERROR", e)
+    config.single_process_fallback = True
+    parallel.initialize_distributed(config)   # warns and stays one process
+    print("PROCESSES", jax.process_count())
+""")
+
+
+def test_distributed_without_a_cluster():
+    """Before any computation (as main calls it), in a fresh process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _NO_CLUSTER], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "distributed.enabled=False for a single process" in out.stdout
+    assert "PROCESSES 1" in out.stdout and "no cluster environment was detected" in out.stderr
+
+
+def test_mesh_that_needs_split_physical_axes(monkeypatch):
+    """jax.make_mesh refuses sizes that are not products of whole torus axes (fsdp=8 on a
+    4x4x4 v5p); make_mesh then splits physical axes instead."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 1 of size 8.")
+
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 4})
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3

@@ -26,6 +26,7 @@ from g2rpo_jax.models import clip, clip_text
 from g2rpo_jax.models.safetensors_io import write_safetensors
 from g2rpo_jax.rewards import clip_rewards as cr
 from g2rpo_jax.rewards import registry
+from g2rpo_jax.testing.clip_reference import byte_level_tokenizer, hf_to_open_clip, tiny_clip
 
 MEAN = np.asarray(cr.OPENAI_CLIP_MEAN, np.float32)
 STD = np.asarray(cr.OPENAI_CLIP_STD, np.float32)
@@ -132,62 +133,7 @@ def test_preprocess_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiny models, written by the reference libraries.
-
-
-def byte_level_tokenizer():
-    """A CLIP tokenizer with only the byte symbols (no merges): ids 0..513, 513 = end token."""
-    from transformers import CLIPTokenizer
-
-    symbols = list(clip_text._bytes_to_unicode().values())
-    vocab = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[])
-
-
-def tiny_clip(projection_dim: int, seed: int):
-    from transformers import CLIPConfig, CLIPModel
-
-    cfg = CLIPConfig(
-        text_config=dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, eos_token_id=513,
-                         bos_token_id=512, pad_token_id=513, hidden_act="gelu"),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=224, patch_size=32, hidden_act="gelu"),
-        projection_dim=projection_dim)
-    torch.manual_seed(seed)
-    model = CLIPModel(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def hf_to_open_clip(sd) -> dict[str, np.ndarray]:
-    """transformers CLIPModel → OpenCLIP keys (the mapping documented in tests/models/test_clip)."""
-    sd = {k: v.detach().numpy() for k, v in sd.items() if not k.endswith("position_ids")}
-    out = {"token_embedding.weight": sd["text_model.embeddings.token_embedding.weight"],
-           "positional_embedding": sd["text_model.embeddings.position_embedding.weight"],
-           "text_projection": sd["text_projection.weight"].T,
-           "visual.conv1.weight": sd["vision_model.embeddings.patch_embedding.weight"],
-           "visual.class_embedding": sd["vision_model.embeddings.class_embedding"],
-           "visual.positional_embedding": sd["vision_model.embeddings.position_embedding.weight"],
-           "visual.proj": sd["visual_projection.weight"].T, "logit_scale": sd["logit_scale"]}
-    renames = {"text_model.final_layer_norm": "ln_final", "vision_model.pre_layrnorm": "visual.ln_pre",
-               "vision_model.post_layernorm": "visual.ln_post"}
-    for tower, target in (("text_model", "transformer"), ("vision_model", "visual.transformer")):
-        for i in range(2):
-            src, dst = f"{tower}.encoder.layers.{i}", f"{target}.resblocks.{i}"
-            renames.update({f"{src}.self_attn.out_proj": f"{dst}.attn.out_proj",
-                            f"{src}.layer_norm1": f"{dst}.ln_1", f"{src}.layer_norm2": f"{dst}.ln_2",
-                            f"{src}.mlp.fc1": f"{dst}.mlp.c_fc", f"{src}.mlp.fc2": f"{dst}.mlp.c_proj"})
-            for leaf in ("weight", "bias"):
-                out[f"{dst}.attn.in_proj_{leaf}"] = np.concatenate(
-                    [sd[f"{src}.self_attn.{p}_proj.{leaf}"] for p in "qkv"])
-    for src, dst in renames.items():
-        for leaf in ("weight", "bias"):
-            out[f"{dst}.{leaf}"] = sd[f"{src}.{leaf}"]
-    return {k: np.asarray(v, order="C") for k, v in out.items()}
+# Tiny models, written by the reference libraries (g2rpo_jax/testing/clip_reference.py).
 
 
 TINY_CONFIG = clip.CLIPConfig(

@@ -1,0 +1,176 @@
+r"""The paper's setting on a TPU pod: RL fine-tuning of FLUX.1-dev at 720×720 (method.md,
+"Reference setting" and "The update").
+
+  python -m g2rpo_jax.main --config=configs/flux_tpu.py:g2rpo,hps_clip --config.mode=train \
+      --config.paths.root=gs://BUCKET/flux --workdir=gs://BUCKET/runs/g2rpo_hps_clip
+
+Without --config.mode=train it describes the job (parameters and shardings; no weights needed).
+The argument is comma-separated words: one algorithm (g2rpo [default], g2rpo_no_mgai, dance_grpo,
+flow_grpo, mix_grpo), one training reward (hps [default]: HPS-v2.1; hps_clip: HPS-v2.1 + CLIP
+score, unit weights) and optionally `lambda12` (G²RPO with the reference scripts' Λ = {1, 2}
+instead of the paper's {1, 2, 3}); e.g. `:dance_grpo,hps_clip` or `:g2rpo,hps,lambda12`.
+
+Paths are local folders or gs:// URLs. They all derive from `paths.root` (a placeholder), laid
+out as below; override the root, or any single path, on the command line:
+  ROOT/FLUX.1-dev/                 diffusers FLUX.1-dev (transformer/, vae/, text_encoder/,
+                                   text_encoder_2/, tokenizer/, tokenizer_2/)
+  ROOT/rewards/                    HPS_v2.1_compressed.pt, DFN5B-CLIP-ViT-H-14-378/, PickScore_v1/
+  ROOT/prompts/                    hpdv2_train.txt, hpdv2_test.txt (one prompt per line)
+  ROOT/tfds/                       the preprocessed prompt-embedding datasets (g2rpo_jax.preprocess)
+
+Memory: `benchmarks/tpu_aot.py` compiles this config's rollout and update for real TPU
+topologies on a CPU and reports per-chip memory (README, "TPU memory (AOT)"); the defaults of
+the mesh, the continuation lanes and the update's micro-batch are the measured ones.
+"""
+
+import ml_collections
+
+from g2rpo_jax import config_lib
+from g2rpo_jax.rl import algorithms
+
+# ------------------------------------------------------------------------------------------
+# The paper's numbers (method.md), named for the tests and the AOT tool.
+IMAGE_SIZE = 720                 # pixels per side
+VAE_DOWNSAMPLE = 8               # FLUX autoencoder: 720 → 90×90 latents of 16 channels
+LATENT_CHANNELS = 16
+PATCH = 2                        # 2×2 latent patches → 45×45 = 2,025 tokens of 64 channels
+T5_MAX_LENGTH = 512
+NUM_STEPS = 16
+SHIFT = 3.0
+GUIDANCE = 3.5
+GROUP_SIZE = 12
+ETA = 0.7
+BRANCH_STEPS = tuple(range(8))   # the first, high-noise half of T = 16
+CLIP_RANGE = 1e-4
+PROMPTS_PER_ITERATION = 16       # 16 groups: the paper's 16 GPUs × one prompt
+NUM_ITERATIONS = 300
+
+# Training rewards by the argument's reward word: (names in config.reward.models, weights).
+REWARDS = {
+    "hps": (("hps",), (1.0,)),
+    "hps_clip": (("hps", "clip_score"), (1.0, 1.0)),
+}
+OPTIONS = ("lambda12",)
+
+# ------------------------------------------------------------------------------------------
+# Memory-bound settings, measured with benchmarks/tpu_aot.py (README, "TPU memory (AOT)").
+# Continuation lanes run side by side in one model call of prompts × lanes × G samples; the
+# plan's unbounded choice (3 lanes for Λ = {1,2,3}, 4 for {1,2}) makes the same number of
+# model calls, so the bound only trades call size for scan length.
+MAX_LANES = 3
+FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mesh.fsdp)
+# Prompts per gradient micro-batch (0 = all at once). G²RPO's update scores one anchor per
+# prompt and k (16 samples per call); the trajectory baselines score every member
+# (prompts × 12 samples per call), which with all 16 prompts needs 117 GiB per chip on 8 chips.
+MICRO_BATCH_PROMPTS = {"singular": 0, "trajectory": 4}
+
+PLACEHOLDER_ROOT = "gs://YOUR_BUCKET/flux"
+
+
+def latent_tokens(image_size: int = IMAGE_SIZE) -> int:
+    """Image tokens of one sample: (720 / 8 / 2)² = 2,025."""
+    side = image_size // VAE_DOWNSAMPLE // PATCH
+    return side * side
+
+
+def parse_argument(argument: str | None) -> tuple[str, str, tuple[str, ...]]:
+    """"g2rpo,hps_clip,lambda12" → ("g2rpo", "hps_clip", ("lambda12",)); words may be missing
+    (defaults g2rpo, hps) and come in any order."""
+    chosen = {"algorithm": [], "reward": [], "option": []}
+    for word in (w.strip() for w in (argument or "").split(",")):
+        if not word:
+            continue
+        kind = ("algorithm" if word in algorithms.PRESETS else "reward" if word in REWARDS
+                else "option" if word in OPTIONS else None)
+        if kind is None:
+            raise ValueError(
+                f"Unknown word {word!r} in the config argument {argument!r}. Give one algorithm "
+                f"{sorted(algorithms.PRESETS)}, one reward {sorted(REWARDS)} and options "
+                f"{list(OPTIONS)}, e.g. configs/flux_tpu.py:g2rpo,hps_clip.")
+        chosen[kind].append(word)
+    for kind in ("algorithm", "reward"):
+        if len(chosen[kind]) > 1:
+            raise ValueError(f"The config argument {argument!r} names several {kind}s: "
+                             f"{chosen[kind]}.")
+    algorithm = (chosen["algorithm"] or ["g2rpo"])[0]
+    options = tuple(chosen["option"])
+    if "lambda12" in options and algorithms.PRESETS[algorithm]["rollout"] != "singular":
+        raise ValueError(f"lambda12 sets G²RPO's granularities; {algorithm!r} has none.")
+    return algorithm, (chosen["reward"] or ["hps"])[0], options
+
+
+def algorithm_config(name: str, options: tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+    """The named preset with the paper's group size; the G²RPO variants also get its branch
+    steps, η and clip range explicitly (the baselines keep their own, e.g. DanceGRPO's η 0.3)."""
+    overrides = dict(group_size=GROUP_SIZE)
+    if algorithms.PRESETS[name]["rollout"] == "singular":
+        overrides.update(branch_steps=BRANCH_STEPS, eta=ETA, clip_range=CLIP_RANGE,
+                         max_lanes=MAX_LANES)
+    if "lambda12" in options:
+        overrides.update(granularities=(1, 2), granularity_weights=(1.0, 1.0))
+    return algorithms.preset(name, **overrides)
+
+
+def get_config(argument: str = "g2rpo,hps"):
+    algorithm, reward, options = parse_argument(argument)
+    config = config_lib.flux_config(algorithm)
+    # describe: parameters and shardings, no weights needed; --config.mode=train: the RL job.
+    config.mode = "describe"
+
+    # The transformer: FLUX.1-dev, bf16 compute, fp32 master weights, rematerialised blocks.
+    config.model = config_lib.flux_model_config(dtype="bfloat16", param_dtype="float32",
+                                                remat_policy="full")
+    config.algorithm = algorithm_config(algorithm, options)
+    config.sampling.num_steps = NUM_STEPS
+    config.sampling.shift = SHIFT
+    config.sampling.guidance = GUIDANCE
+    config.sampling.quantize_timesteps = False
+    config.optimizer = ml_collections.ConfigDict(dict(
+        learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
+        b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+    # The reference code's one optimizer step per trained k (0 = one accumulated step).
+    config.update_step.steps_per_update = 1
+    config.update_step.micro_batch_prompts = MICRO_BATCH_PROMPTS[config.algorithm.rollout]
+    config.update_step.recompute_old_log_prob = True
+    config.train.num_iterations = NUM_ITERATIONS
+    config.train.prompts_per_iteration = PROMPTS_PER_ITERATION
+    names, weights = REWARDS[reward]
+    config.reward.train = list(names)
+    config.reward.weights = list(weights)
+    config.image.height = config.image.width = IMAGE_SIZE
+    config.text.t5_max_length = T5_MAX_LENGTH
+
+    # ---- TPU pod: mesh, multi-host, paths (this file's own block) ----
+    # Parameters, gradients and AdamW moments sharded over `fsdp` groups of FSDP_CHIPS chips
+    # (fp32 params + moments + gradients of 12B: ~177 GiB, ~22 GiB per chip); `data` (-1: the
+    # rest of the pod) replicates them over the groups: v5p-16 (8 chips) 1 × 8, v5p-64
+    # (32 chips) 4 × 8, v5p-128 (64 chips, a 4x4x4 torus: groups of 8 split a physical axis)
+    # 8 × 8. The batch is split over fsdp first, then data, so the iteration's 16 prompts (the
+    # anchor ODE, the update's per-prompt passes) spread over the chips of a group rather than
+    # over replicas, while the continuation's big calls (prompts × lanes × G) use every chip.
+    config.mesh.data = -1
+    config.mesh.fsdp = FSDP_CHIPS
+    config.mesh.tensor = 1
+    config.sharding_rules = [["batch", ["fsdp", "data"]] if name == "batch" else [name, axes]
+                             for name, axes in config.sharding_rules]
+    # Every TPU VM of the pod runs the same command; jax.distributed finds the others. Without a
+    # cluster (a workstation running describe) it runs as one process.
+    config.distributed.enabled = True
+    config.distributed.single_process_fallback = True
+
+    root = ml_collections.FieldReference(PLACEHOLDER_ROOT)
+    config.paths = ml_collections.ConfigDict(dict(root=root))
+    config.model.checkpoint = root + "/FLUX.1-dev"         # its transformer/ folder is read
+    config.autoencoder.path = root + "/FLUX.1-dev/vae"
+    config.text.path = root + "/FLUX.1-dev"                 # text_encoder{,_2}/, tokenizer{,_2}/
+    config.reward.root = root + "/rewards"
+    config.data.prompts_file = root + "/prompts/hpdv2_train.txt"
+    config.data.eval_prompts_file = root + "/prompts/hpdv2_test.txt"
+    config.data.data_dir = root + "/tfds"
+
+    # describe on the real shapes: one 720×720 sample (2,025 image tokens), a 512-token prompt;
+    # the 12B forward itself needs the accelerator (--config.describe.forward=True on a pod).
+    config.describe.forward = False
+    config.describe.image_tokens = latent_tokens()
+    config.describe.text_tokens = T5_MAX_LENGTH
+    return config

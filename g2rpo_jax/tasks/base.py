@@ -1,0 +1,51 @@
+"""The task interface (see the package docstring)."""
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Batch:
+    """One iteration's prompts.
+
+    cond: the conditioning on the mesh: {"txt" [P, T, D], "y" [P, Dy]} split over the batch
+      axes, {"txt_ids" [T, 3], "img_ids" [N, 3]} replicated (P prompts over all processes).
+    prompts: this process's prompts [P_host], in the order of its rows of `cond`.
+    extra: what the task's reward needs besides the prompts (e.g. prompt indices).
+    """
+
+    cond: dict
+    prompts: list[str]
+    extra: Any = None
+
+
+class Task(Protocol):
+    """policy: the initial transformer (`flux.Flux`, sharded on the mesh).
+    latent_shape: (N, C) of one sample's packed latents.
+    reward_names / reward_weights: the training rewards (the R axis of `rewards`), weights
+      in the advantage.
+    evaluator: an `evaluation.Evaluator` of the held-out prompts, or None (no evaluation).
+    score_names: what the evaluator reports, in order; in_domain: those that are also trained
+      on (the rest are out-of-domain)."""
+
+    policy: Any
+    latent_shape: tuple[int, int]
+    reward_names: tuple[str, ...]
+    reward_weights: tuple[float, ...]
+    evaluator: Any
+    score_names: tuple[str, ...]
+    in_domain: tuple[str, ...]
+
+    def next_batch(self) -> Batch:
+        """The next training prompts (this process's share) with their conditioning."""
+
+    def rewards(self, finals, batch: Batch) -> np.ndarray:
+        """finals [P, M, N, C] (a global array) → rewards [R, P, M] (float32; numpy with one
+        process, a global array otherwise), computed on the hosts between the rollout's two
+        jitted stages."""
+
+    def save(self, workdir: str, policy, metadata: dict) -> str | None:
+        """Writes the fine-tuned policy in the task's own format (besides the Orbax checkpoint
+        the loop writes); returns the path, or None."""

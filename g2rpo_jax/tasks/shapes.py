@@ -1,0 +1,82 @@
+"""The embedded shapes world as a task: the generator bundle (word encoder, FLUX-architecture
+transformer, pixel autoencoder), prompts from the TFDS train split, the verifier / judge /
+quality scores as rewards, the held-out split as evaluation, `generator.safetensors` as output.
+"""
+
+import os
+
+import jax
+import numpy as np
+
+from g2rpo_jax import config_lib, evaluation, generator
+from g2rpo_jax.data import shapes_tfds, world
+from g2rpo_jax.tasks.base import Batch
+
+
+def make_reward_fn(gen: generator.Generator, names, prompts, config):
+    """The training reward, computed on the host between the rollout's two jitted stages:
+    `reward_fn(latents [P, M, N, C], prompt_ids [P] (indices into prompts)) -> float32
+    [R, P, M]` over the named scores (`evaluation.score_images`)."""
+    unknown = [n for n in names if n not in evaluation.SCORES]
+    if unknown or not names:
+        raise ValueError(f"reward.train must name rewards from {evaluation.SCORES}; got "
+                         f"{list(names)}.")
+    judge = evaluation.judge_fn(config, prompts) if "out_of_domain" in names else None
+    decode = jax.jit(gen.decode)
+
+    def reward_fn(latents, prompt_ids):
+        images = np.asarray(decode(latents))                          # [P, M, H, W, 3]
+        scores = evaluation.score_images(images, [prompts[i] for i in prompt_ids], names,
+                                         judge, prompt_ids)
+        return np.stack([scores[n] for n in names])
+    return reward_fn
+
+
+def prompt_stream(config) -> shapes_tfds.Reader:
+    """Per-host batches of training prompts from the TFDS train split (shuffled per epoch)."""
+    data_dir = config.data.data_dir or None
+    source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
+    per_host = config.train.prompts_per_iteration // jax.process_count()
+    return shapes_tfds.Reader(source, per_host, seed=config.seed)
+
+
+class ShapesTask:
+    """See `tasks.base.Task`."""
+
+    def __init__(self, config, mesh, rules, training: bool = True):
+        if not config.model.checkpoint:
+            raise ValueError("config.model.checkpoint is empty: RL starts from a generator file "
+                             "(the shipped base: configs/shapes_cpu.py sets it).")
+        execution = config_lib.execution_fields(config.model)
+        self.gen = generator.load_generator(config.model.checkpoint, mesh, rules, **execution)
+        self.mesh = mesh
+        self.policy = self.gen.flux
+        self.latent_shape = self.gen.latent_shape
+        self.reward_names = tuple(config.reward.train)
+        self.reward_weights = tuple(config.reward.weights)
+        if training:
+            train_prompts = world.split_prompts(config.world.split_seed,
+                                                config.world.held_out_fraction)["train"]
+            self._prompt_index = {p: i for i, p in enumerate(train_prompts)}
+            self.reader = prompt_stream(config)
+        self.evaluator = evaluation.Evaluator(config, self.gen,
+                                              evaluation.held_out_prompts(config), mesh)
+        self.score_names = self.evaluator.scorers
+        self.in_domain = tuple(n for n in self.score_names if n in self.reward_names)
+        if training:
+            self._reward_fn = make_reward_fn(self.gen, list(self.reward_names), train_prompts,
+                                             config)
+
+    def next_batch(self) -> Batch:
+        prompts = next(self.reader)["prompt"]
+        cond = self.gen.encode(prompts, self.mesh)
+        ids = np.asarray([self._prompt_index[p] for p in prompts], np.int32)
+        return Batch(cond, prompts, ids)
+
+    def rewards(self, finals, batch: Batch) -> np.ndarray:
+        return self._reward_fn(finals, batch.extra)
+
+    def save(self, workdir: str, policy, metadata: dict) -> str:
+        self.gen.flux = policy
+        return generator.save_generator(os.path.join(workdir, "generator.safetensors"),
+                                        self.gen, {"rl": metadata})

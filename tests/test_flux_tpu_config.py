@@ -1,0 +1,132 @@
+"""configs/flux_tpu.py: every variant loads, and its fields are method.md's numbers (written out
+here by hand, not read from the config module)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from g2rpo_jax import config_lib
+from g2rpo_jax.rl import algorithms, update
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGORITHMS = ("g2rpo", "g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo")
+
+
+def load(argument=None):
+    spec = importlib.util.spec_from_file_location(
+        "flux_tpu_config", os.path.join(ROOT, "configs", "flux_tpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(argument) if argument is not None else module.get_config()
+
+
+@pytest.mark.parametrize("reward", ["hps", "hps_clip"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_variant_has_the_papers_setting(algorithm, reward):
+    config = load(f"{algorithm},{reward}")
+    algo = algorithms.Algorithm.from_config(config.algorithm)
+    assert config.algorithm.name == algorithm
+    # method.md, "Reference setting": 720×720 (90×90×16 latents → 2,025 tokens), T5 512,
+    # guidance 3.5, T = 16, shift 3, G = 12, 16 prompts per iteration, ~300 iterations.
+    assert (config.image.height, config.image.width) == (720, 720)
+    assert config.describe.image_tokens == 2025 and config.describe.text_tokens == 512
+    assert config.text.t5_max_length == 512
+    assert config.sampling.num_steps == 16 and config.sampling.shift == 3.0
+    assert config.sampling.guidance == 3.5 and not config.sampling.quantize_timesteps
+    assert algo.group_size == 12
+    assert config.train.prompts_per_iteration == 16 and config.train.num_iterations == 300
+    # The FLUX.1-dev transformer: bf16 compute, fp32 master weights, remat.
+    flux_cfg = config_lib.to_flux_config(config.model)
+    assert (flux_cfg.num_layers, flux_cfg.num_single_layers, flux_cfg.hidden_size) == (19, 38, 3072)
+    assert (flux_cfg.in_channels, flux_cfg.joint_attention_dim) == (64, 4096)
+    assert flux_cfg.guidance_embeds
+    assert (flux_cfg.dtype, flux_cfg.param_dtype) == ("bfloat16", "float32")
+    assert flux_cfg.remat_policy != "none"
+    # "The update": AdamW lr 2e-6, betas (0.9, 0.999), eps 1e-8, wd 1e-4, constant, clip 1.0.
+    opt = config.optimizer
+    assert (opt.learning_rate, opt.b1, opt.b2, opt.eps, opt.weight_decay) == \
+        (2e-6, 0.9, 0.999, 1e-8, 1e-4)
+    assert opt.schedule == "constant" and opt.grad_clip_norm == 1.0
+    update.make_optimizer(opt)
+    settings = update.settings_from_config(config)
+    assert settings.guidance == 3.5 and settings.steps_per_update == 1
+    # Rewards: HPS, or HPS + CLIP score with unit weights.
+    expected = {"hps": (["hps"], [1.0]), "hps_clip": (["hps", "clip_score"], [1.0, 1.0])}
+    assert (list(config.reward.train), list(config.reward.weights)) == expected[reward]
+    # Pod: FSDP over groups of 8 chips, data over the groups, jax.distributed on.
+    assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (-1, 8, 1)
+    assert config.distributed.enabled
+    assert dict(map(tuple, config.sharding_rules))["batch"] == ["fsdp", "data"]
+
+
+@pytest.mark.parametrize("algorithm", ["g2rpo", "g2rpo_no_mgai"])
+def test_g2rpo_variants(algorithm):
+    algo = algorithms.Algorithm.from_config(load(algorithm).algorithm)
+    assert algo.rollout == "singular" and algo.sde_step == "flow_grpo"
+    assert algo.branch_steps == (0, 1, 2, 3, 4, 5, 6, 7)
+    assert algo.eta == 0.7 and algo.clip_range == 1e-4 and algo.kl_beta == 0.0
+    assert algo.granularities == ((1, 2, 3) if algorithm == "g2rpo" else (1,))
+    assert all(w == 1.0 for w in algo.granularity_weights)
+    algo.validate(16)
+
+
+def test_reference_script_granularities():
+    algo = algorithms.Algorithm.from_config(load("g2rpo,hps_clip,lambda12").algorithm)
+    assert algo.granularities == (1, 2) and algo.granularity_weights == (1.0, 1.0)
+
+
+def test_baselines_keep_their_own_settings():
+    dance = load("dance_grpo").algorithm
+    assert (dance.rollout, dance.sde_step, dance.eta, dance.train_fraction) == \
+        ("trajectory", "dance_grpo", 0.3, 0.6)
+    flow = load("flow_grpo").algorithm
+    assert (flow.eta, flow.kl_beta, flow.shared_initial_noise) == (0.7, 0.04, False)
+    mix = load("mix_grpo").algorithm
+    assert (mix.sde_window, mix.eta) == (4, 0.7)
+    for name in ("dance_grpo", "flow_grpo", "mix_grpo"):
+        config = load(name)
+        assert config.algorithm.group_size == 12
+        # Every member is scored in their update: micro-batches of 4 prompts fit in HBM
+        # (README, "TPU memory (AOT)").
+        assert config.update_step.micro_batch_prompts == 4
+    assert load("g2rpo").update_step.micro_batch_prompts == 0
+
+
+def test_defaults_and_paths():
+    config = load()
+    assert config.algorithm.name == "g2rpo" and list(config.reward.train) == ["hps"]
+    # Every path derives from paths.root and follows an override of it.
+    config.paths.root = "gs://bucket/flux"
+    assert config.model.checkpoint == "gs://bucket/flux/FLUX.1-dev"
+    assert config.autoencoder.path == "gs://bucket/flux/FLUX.1-dev/vae"
+    assert config.reward.root == "gs://bucket/flux/rewards"
+    assert config.data.data_dir == "gs://bucket/flux/tfds"
+    assert config.data.prompts_file.endswith(".txt") and config.data.eval_prompts_file
+
+
+@pytest.mark.parametrize("argument,message", [
+    ("g2rpo,hsp", "Unknown word 'hsp'"),
+    ("g2rpo,dance_grpo", "several algorithms"),
+    ("dance_grpo,lambda12", "lambda12 sets G²RPO's granularities"),
+])
+def test_bad_arguments(argument, message):
+    with pytest.raises(ValueError, match=message):
+        load(argument)
+
+
+def test_describe_runs_on_this_cpu(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    result = subprocess.run(
+        [sys.executable, "-m", "g2rpo_jax.main", "--config=configs/flux_tpu.py:g2rpo,hps_clip",
+         f"--workdir={tmp_path}", "--config.describe.forward=False"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "describe.json").read_text())
+    assert report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert 11.8e9 < report["parameters"] < 12.0e9
+    # fp32 FLUX.1-dev split 8 ways: under 6 GiB of parameters per device.
+    assert report["parameter_mib_per_device"] < 6 * 1024
