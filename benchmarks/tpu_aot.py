@@ -7,7 +7,9 @@ on any machine (a CPU is enough): no TPU and no weights, only abstract inputs.
       --config=configs/flux_tpu.py:g2rpo,hps_clip --config.algorithm.max_lanes=1
 
 libtpu stays out of the default environment (it is only needed here); its warnings about
-TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES are harmless on a machine without a TPU.
+TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES are harmless on a machine without a TPU. libtpu
+admits one process at a time (a lock file); ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets several of these
+compile-only runs go side by side.
 
 Pieces (--pieces), each a separate jitted program with the config's shapes and shardings:
   forward  one transformer call on the rollout's largest per-call batch (the continuation scan's

@@ -2,7 +2,7 @@ r"""The paper's setting on a TPU pod: RL fine-tuning of FLUX.1-dev at 720×720 (
 "Reference setting" and "The update").
 
   python -m g2rpo_jax.main --config=configs/flux_tpu.py:g2rpo,hps_clip --config.mode=train \
-      --config.paths.root=gs://BUCKET/flux --workdir=gs://BUCKET/runs/g2rpo_hps_clip
+      --config.paths.root=/mnt/bucket/flux --workdir=/mnt/bucket/runs/g2rpo_hps_clip
 
 Without --config.mode=train it describes the job (parameters and shardings; no weights needed).
 The argument is comma-separated words: one algorithm (g2rpo [default], g2rpo_no_mgai, dance_grpo,
@@ -10,8 +10,10 @@ flow_grpo, mix_grpo), one training reward (hps [default]: HPS-v2.1; hps_clip: HP
 score, unit weights) and optionally `lambda12` (G²RPO with the reference scripts' Λ = {1, 2}
 instead of the paper's {1, 2, 3}); e.g. `:dance_grpo,hps_clip` or `:g2rpo,hps,lambda12`.
 
-Paths are local folders or gs:// URLs. They all derive from `paths.root` (a placeholder), laid
-out as below; override the root, or any single path, on the command line:
+Paths are fields: they all derive from `paths.root` (a gs:// placeholder), laid out as below;
+override the root, or any single path, on the command line. The weight loaders read local files
+(memory-mapped safetensors), so point them at local disk or a bucket mounted with gcsfuse;
+whether each reader also takes gs:// URLs directly has not been checked.
   ROOT/FLUX.1-dev/                 diffusers FLUX.1-dev (transformer/, vae/, text_encoder/,
                                    text_encoder_2/, tokenizer/, tokenizer_2/)
   ROOT/rewards/                    HPS_v2.1_compressed.pt, DFN5B-CLIP-ViT-H-14-378/, PickScore_v1/
@@ -54,10 +56,12 @@ OPTIONS = ("lambda12",)
 
 # ------------------------------------------------------------------------------------------
 # Memory-bound settings, measured with benchmarks/tpu_aot.py (README, "TPU memory (AOT)").
-# Continuation lanes run side by side in one model call of prompts × lanes × G samples; the
-# plan's unbounded choice (3 lanes for Λ = {1,2,3}, 4 for {1,2}) makes the same number of
-# model calls, so the bound only trades call size for scan length.
-MAX_LANES = 3
+# Continuation lanes run side by side in one model call of prompts × lanes × G samples; every
+# lane count makes the same number of model calls (the plan packs the (k, λ) finishes), so the
+# bound only trades call size for scan length. Peak HBM per chip of the rollout on 8 chips
+# (2 prompts per chip): Λ = {1,2,3} with 3 lanes 74 GiB; Λ = {1,2} or {1} with 2 lanes 82-83 GiB
+# (XLA keeps more live there), with 1 lane 52 GiB. Other Λ: 1 lane.
+MAX_LANES = {(1, 2, 3): 3, (1, 2): 1, (1,): 1}
 FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mesh.fsdp)
 # Prompts per gradient micro-batch (0 = all at once). G²RPO's update scores one anchor per
 # prompt and k (16 samples per call); the trajectory baselines score every member
@@ -104,11 +108,13 @@ def algorithm_config(name: str, options: tuple[str, ...] = ()) -> ml_collections
     steps, η and clip range explicitly (the baselines keep their own, e.g. DanceGRPO's η 0.3)."""
     overrides = dict(group_size=GROUP_SIZE)
     if algorithms.PRESETS[name]["rollout"] == "singular":
-        overrides.update(branch_steps=BRANCH_STEPS, eta=ETA, clip_range=CLIP_RANGE,
-                         max_lanes=MAX_LANES)
+        overrides.update(branch_steps=BRANCH_STEPS, eta=ETA, clip_range=CLIP_RANGE)
     if "lambda12" in options:
         overrides.update(granularities=(1, 2), granularity_weights=(1.0, 1.0))
-    return algorithms.preset(name, **overrides)
+    config = algorithms.preset(name, **overrides)
+    if config.rollout == "singular":
+        config.max_lanes = MAX_LANES.get(tuple(config.granularities), 1)
+    return config
 
 
 def get_config(argument: str = "g2rpo,hps"):
