@@ -200,3 +200,20 @@ def test_mesh_that_needs_split_physical_axes(monkeypatch):
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3
+
+
+def test_init_state_lays_adam_moments_out_like_the_parameters():
+    """rl.update.init_state: AdamW's moments take the parameters' FSDP sharding (left to jit
+    they would land on one device and be replicated)."""
+    import optax
+
+    from g2rpo_jax.rl import update
+
+    mesh = parallel.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", None))
+    params = {"w": jax.device_put(jnp.ones((8, 4)), spec)}
+    state = update.init_state(params, optax.adamw(1e-3), False, mesh)
+    mu, nu = state.opt_state[0].mu["w"], state.opt_state[0].nu["w"]
+    for moment in (mu, nu):
+        assert moment.sharding.is_equivalent_to(spec, 2)
+        assert moment.addressable_shards[0].data.shape == (2, 4)
