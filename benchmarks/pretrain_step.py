@@ -34,20 +34,23 @@ def main():
     eg, ep = nnx.split(gen.text_encoder, nnx.Param)
     params = {"flux": fp, "text_encoder": ep}
     opt_state = jax.jit(optimizer.init)(params)
-    step = jax.jit(pretrain.make_train_step(fg, eg, gen.autoencoder, optimizer))
+    step = jax.jit(pretrain.make_train_step(fg, eg, gen.autoencoder, optimizer, ema_decay=0.999))
+    ema = jax.tree.map(jax.numpy.copy, params)
     rng = np.random.default_rng(0)
     prompts = [world.all_prompts()[i] for i in rng.integers(0, 975, args.batch)]
     images = np.stack([world.render_prompt(p, rng) for p in prompts])
     ids, mask = gen.tokenize(prompts)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     start = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, images, ids, mask, jax.random.key(0))
+    params, opt_state, ema, loss = step(params, opt_state, ema, images, ids, mask,
+                                        jax.random.key(0), 0)
     loss.block_until_ready()
     compile_s = time.perf_counter() - start
     times = []
     for i in range(args.steps):
         start = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, images, ids, mask, jax.random.key(i))
+        params, opt_state, ema, loss = step(params, opt_state, ema, images, ids, mask,
+                                            jax.random.key(i), i + 1)
         loss.block_until_ready()
         times.append(time.perf_counter() - start)
     print(f"params {n_params:,}  batch {args.batch}  devices {jax.device_count()}  "

@@ -4,7 +4,13 @@
 
 Trains the tiny FLUX-architecture transformer and its word encoder from scratch on rendered
 images of the training prompts (the held-out prompts are never seen) and writes
-DIR/generator.safetensors, the file shipped as g2rpo_jax/assets/shapes_base.safetensors.
+DIR/generator.safetensors. The file shipped as g2rpo_jax/assets/shapes_base.safetensors is that
+run continued for 6,000 more steps (README, "Base generator"):
+
+  python -m g2rpo_jax.main --config=configs/shapes_pretrain.py --workdir=DIR2 \
+      --config.pretrain.init_checkpoint=DIR/generator.safetensors \
+      --config.pretrain.num_steps=6000 --config.optimizer.learning_rate=5e-4 \
+      --config.optimizer.warmup_steps=100
 """
 
 import ml_collections
@@ -19,7 +25,9 @@ def get_config():
     config.pretrain = ml_collections.ConfigDict(dict(
         num_steps=num_steps, batch_size=64, log_every=25, eval_every=500,
         # A generator file to continue from (same architecture); "" = from scratch.
-        init_checkpoint=""))
+        init_checkpoint="",
+        # Evaluate and write an exponential moving average of the weights; 0 = the raw ones.
+        ema_decay=0.999))
     config.optimizer = ml_collections.ConfigDict(dict(
         learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=200, decay_steps=num_steps,
         b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))

@@ -32,6 +32,7 @@ def short_rl_config(data_dir, algorithm="g2rpo", iterations=2):
     config.algorithm.group_size = 4
     config.algorithm.branch_steps = (0, 1)
     config.train.num_iterations = iterations
+    config.train.prompts_per_iteration = 8
     config.train.eval_every = 1
     config.evaluation.num_prompts = 8
     config.data.images_per_prompt = 1
@@ -156,7 +157,7 @@ def test_pretraining_continues_from_a_generator_file(tmp_path, data_dir, mesh):
     generator equals the shipped base tensor for tensor; another architecture is refused."""
     config = load_config("shapes_pretrain.py")
     config.pretrain.update(num_steps=2, batch_size=8, eval_every=0,
-                           init_checkpoint=generator.SHIPPED_BASE)
+                           init_checkpoint=generator.SHIPPED_BASE, ema_decay=0.0)
     config.optimizer.update(learning_rate=0.0, warmup_steps=1)
     config.evaluation.num_prompts = 8
     config.data.images_per_prompt = 1

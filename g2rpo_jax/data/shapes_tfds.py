@@ -40,6 +40,7 @@ class ShapesConfig:
     held_out_fraction: float = 0.2
     images_per_prompt: int = 16
     render_seed: int = 0
+    placement_grid: int = 1  # world.sample_scene's grid
 
     def __post_init__(self):
         if self.images_per_prompt < 1:
@@ -49,7 +50,8 @@ class ShapesConfig:
     @property
     def name(self) -> str:
         return (f"s{self.image_size}_split{self.split_seed}_held{self.held_out_fraction:g}"
-                f"_n{self.images_per_prompt}_r{self.render_seed}")
+                f"_n{self.images_per_prompt}_r{self.render_seed}"
+                + (f"_g{self.placement_grid}" if self.placement_grid != 1 else ""))
 
 
 def config_from(config) -> ShapesConfig:
@@ -57,7 +59,8 @@ def config_from(config) -> ShapesConfig:
     return ShapesConfig(image_size=config.world.image_size, split_seed=config.world.split_seed,
                         held_out_fraction=config.world.held_out_fraction,
                         images_per_prompt=config.data.images_per_prompt,
-                        render_seed=config.data.render_seed)
+                        render_seed=config.data.render_seed,
+                        placement_grid=config.world.get("placement_grid", 1))
 
 
 class _BuilderConfig(tfds.core.BuilderConfig):
@@ -98,7 +101,7 @@ class ShapesWorld(tfds.core.GeneratorBasedBuilder):
             rng = np.random.default_rng((s.render_seed, index[prompt]))
             for j in range(s.images_per_prompt):
                 yield f"{index[prompt]}_{j}", {
-                    "image": world.render_prompt(prompt, rng, s.image_size), "prompt": prompt}
+                    "image": world.render_prompt(prompt, rng, s.image_size, s.placement_grid), "prompt": prompt}
 
 
 def default_data_dir() -> str:

@@ -346,14 +346,21 @@ def _check_canvas(size: int) -> None:
 
 
 def sample_scene(prompt: str, rng: np.random.Generator, size: int = REFERENCE_CANVAS,
-                 max_attempts: int = 10_000) -> Scene:
+                 max_attempts: int = 10_000, grid: int = 1) -> Scene:
     """Random placement (and sizes, where unnamed) of the prompt's objects on a `size` px canvas.
 
     Objects are placed one after another, each uniformly among the centres that keep it inside
     the margins, clear of the objects already placed and (for a relation's object) on the right
     side of the subject; a dead end restarts the whole scene.
+
+    `grid` (px): every object's box has its top-left corner on a lattice of this pitch, offset
+    by the edge margin; 1 = any pixel. With the generator's patch size as the pitch, an object's
+    pixels inside each latent token depend only on the token it starts in, not on a sub-token
+    offset (the shapes world's configs set this: `world.placement_grid`).
     """
     _check_canvas(size)
+    if grid < 1:
+        raise ValueError(f"The placement grid must be at least 1 px; got {grid}.")
     constraints = parse_prompt(prompt)
     margin = _scaled(EDGE_MARGIN, size)
     gap = _scaled(OBJECT_GAP, size, minimum=2)
@@ -367,7 +374,7 @@ def sample_scene(prompt: str, rng: np.random.Generator, size: int = REFERENCE_CA
             size_word = size_word or SIZES[rng.integers(len(SIZES))]
             r = object_radius(size_word, size)
             lo, hi = margin + r, size - 1 - margin - r
-            ys, xs = np.mgrid[lo:hi + 1, lo:hi + 1]
+            ys, xs = np.mgrid[lo:hi + 1:grid, lo:hi + 1:grid]
             ok = np.ones(ys.shape, bool)
             for other in placed:
                 clear = r + other.radius + 1 + gap
@@ -406,7 +413,7 @@ def render(scene: Scene, size: int | None = None) -> np.ndarray:
     return image
 
 
-def render_prompt(prompt: str, rng: np.random.Generator, size: int = REFERENCE_CANVAS
-                  ) -> np.ndarray:
-    """`render(sample_scene(prompt, rng, size))`."""
-    return render(sample_scene(prompt, rng, size))
+def render_prompt(prompt: str, rng: np.random.Generator, size: int = REFERENCE_CANVAS,
+                  grid: int = 1) -> np.ndarray:
+    """`render(sample_scene(prompt, rng, size, grid=grid))`."""
+    return render(sample_scene(prompt, rng, size, grid=grid))

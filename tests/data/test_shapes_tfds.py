@@ -1,9 +1,12 @@
 """The TFDS ArrayRecord dataset of the embedded world: build, random access, splits, per-host
 shuffling and sharding, and the round trip through the verifier."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from g2rpo_jax import config_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.rewards import verifier
 
@@ -102,3 +105,17 @@ def test_bad_input_is_named():
         shapes_tfds.load_split(None, "test", SETTINGS)
     with pytest.raises(ValueError, match="images_per_prompt must be at least 1"):
         shapes_tfds.ShapesConfig(images_per_prompt=0)
+
+
+def test_placement_grid_reaches_the_stored_images(tmp_path):
+    """The shapes configs' world.placement_grid flows into the dataset (its own folder name)
+    and every stored object's box starts on the lattice 2 + 4·j."""
+    settings = shapes_tfds.config_from(config_lib.shapes_config())
+    assert settings.placement_grid == 4 and settings.name.endswith("_g4")
+    assert SETTINGS.name != dataclasses.replace(SETTINGS, placement_grid=4).name
+    source = shapes_tfds.load_split(str(tmp_path), "held_out", dataclasses.replace(
+        SETTINGS, images_per_prompt=1, placement_grid=4))
+    for record in _records(source)[:60]:
+        for blob in verifier.detect_objects(record["image"]):
+            top, left = blob.bbox[:2]
+            assert (top - 2) % 4 == 0 and (left - 2) % 4 == 0, record["prompt"]

@@ -208,11 +208,12 @@ def test_bad_prompt_raises():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_every_rendered_prompt_scores_one_on_its_own_prompt():
+@pytest.mark.parametrize("grid", [1, 4])  # any pixel; the shapes configs' placement grid
+def test_every_rendered_prompt_scores_one_on_its_own_prompt(grid):
     for seed in (0, 1):
         rng = np.random.default_rng(seed)
         for prompt in world.all_prompts():
-            image = world.render_prompt(prompt, rng)
+            image = world.render_prompt(prompt, rng, grid=grid)
             assert verifier.score(image, prompt) == 1.0, prompt
             assert verifier.quality(image) == 1.0, prompt
 
