@@ -239,14 +239,29 @@ def _stored_dtype(storage_dtype: str):
 # Encoding.
 
 
+def _encoder_devices() -> list:
+    """The devices this process encodes on: all its local devices, except on CPU in a
+    multi-process run, where it is one.
+
+    Once jax.distributed is initialised, XLA:CPU runs every collective through gloo, even
+    between two devices of one process, and gloo there can pair a collective of one program
+    with one of the next (measured on the two-process test, before this rule: 1 run in 4
+    aborted with gloo's "Received data size doesn't match expected size"). One device needs
+    no collective; TPU and GPU keep the sharded encoders.
+    """
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return jax.local_devices()[:1]
+    return jax.local_devices()
+
+
 class TextEncoders:
     """FLUX.1's two text encoders on this process's own devices.
 
     `encode(prompts) -> (t5 [P, t5_max_length, D], clip_pooled [P, Dy])`, float32 numpy: T5's
     last hidden states without an attention mask (FluxPipeline attends to the padding too) and
     CLIP's pooled output (the end token's final-LayerNormed state), each prompt tokenized as
-    FluxPipeline does. Parameters are sharded over a mesh of the local devices (fsdp), so every
-    host encodes its own chunks independently.
+    FluxPipeline does. Parameters are sharded over a mesh of the local devices (fsdp; default
+    `_encoder_devices()`), so every host encodes its own chunks independently.
     """
 
     def __init__(self, folder: str, t5_max_length: int, clip_max_length: int,
@@ -257,7 +272,7 @@ class TextEncoders:
         from g2rpo_jax.models import clip_text, t5
 
         _check_encoders(folder)
-        devices = list(jax.local_devices() if devices is None else devices)
+        devices = list(_encoder_devices() if devices is None else devices)
         self.mesh = parallel.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices=devices)
         self.t5_max_length, self.clip_max_length = t5_max_length, clip_max_length
         self._t5_tokenizer = t5.load_tokenizer(folder)

@@ -5,6 +5,7 @@ of each prompt) keeps these fast; tests/test_flux_path.py runs the real T5 and C
 import json
 import zlib
 
+import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
@@ -193,9 +194,10 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, setup):
 @pytest.mark.slow
 def test_two_processes_prepare_what_one_does(tmp_path):
     """Two jax.distributed processes (2 CPU devices each) on the tiny FLUX.1-dev: each encodes
-    its chunks, process 0 assembles after the barrier, both read the result; it holds what this
-    process prepares alone (bit-identical values need the same device layout: see the module
-    docstring, so values are compared to 1e-5)."""
+    its chunks (on one of its devices: `_encoder_devices`), process 0 assembles after the
+    barrier, both read the result; it holds what this process prepares alone (bit-identical
+    values need the same device layout: see the module docstring, so values are compared to
+    1e-5)."""
     import os
     import socket
     import subprocess
@@ -233,3 +235,12 @@ def test_two_processes_prepare_what_one_does(tmp_path):
         assert (a["prompt"], int(a["index"])) == (b["prompt"], int(b["index"]))
         np.testing.assert_allclose(a["t5"], b["t5"], atol=1e-5)
         np.testing.assert_allclose(a["clip_pooled"], b["clip_pooled"], atol=1e-5)
+
+
+def test_multi_process_cpu_encodes_on_one_device(monkeypatch):
+    """XLA:CPU sends in-process collectives through gloo once jax.distributed is up, and gloo
+    mismatched them (the two-process test aborted 1 run in 4), so CPU processes of a
+    multi-process run encode on one device; a single process keeps its whole local mesh."""
+    assert pe._encoder_devices() == jax.local_devices() and len(jax.local_devices()) == 8
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert pe._encoder_devices() == jax.local_devices()[:1]
