@@ -7,10 +7,20 @@ fields and never branches on a config's name.
 import dataclasses
 
 import ml_collections
+from ml_collections import config_flags
 
 from g2rpo_jax.models import flux
 from g2rpo_jax.parallel import sharding
 from g2rpo_jax.rl import algorithms
+
+
+def define_config_flag():
+    """Defines the entry points' --config flag (a config file with get_config(), fields
+    overridable as --config.section.field=value); returns its FlagHolder. Called once per
+    program: importing two entry points must not define it twice."""
+    return config_flags.DEFINE_config_file(
+        "config", None, "Path to a config file with get_config(); override fields as "
+        "--config.section.field=value.", lock_config=True)
 
 
 def flux_model_config(**overrides) -> ml_collections.ConfigDict:

@@ -23,11 +23,10 @@ import time
 from absl import app, flags, logging
 from flax import nnx
 import jax
-from ml_collections import config_flags
 import numpy as np
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import evaluation, parallel, tasks
+from g2rpo_jax import config_lib, evaluation, parallel, tasks
 
 _FLAGS = {}
 
@@ -35,9 +34,7 @@ _FLAGS = {}
 def define_flags() -> None:
     """Command-line flags, defined only when run as a program (so that importing this module
     next to another entry point does not define --config twice)."""
-    _FLAGS["config"] = config_flags.DEFINE_config_file(
-        "config", None, "Path to a config file with get_config(); override fields as "
-        "--config.section.field=value.", lock_config=True)
+    _FLAGS["config"] = config_lib.define_config_flag()
     _FLAGS["checkpoint"] = flags.DEFINE_string(
         "checkpoint", None, "A pretrained transformer (diffusers folder / BFL file; shapes: a "
         "generator file) or an Orbax checkpoint of mode=train (workdir, checkpoints/ or a step).")

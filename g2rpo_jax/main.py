@@ -22,14 +22,11 @@ from absl import app, flags, logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from ml_collections import config_flags
 
 from g2rpo_jax import config_lib, parallel
 from g2rpo_jax.models import flux
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a config file with get_config(); override fields as "
-    "--config.section.field=value.", lock_config=True)
+_CONFIG = config_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (created if missing).")
 
 

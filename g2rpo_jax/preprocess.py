@@ -17,9 +17,8 @@ import json
 import time
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from g2rpo_jax import parallel
+from g2rpo_jax import config_lib, parallel
 from g2rpo_jax.data import prompt_embeddings
 
 _FLAGS = {}
@@ -28,9 +27,7 @@ _FLAGS = {}
 def define_flags() -> None:
     """Command-line flags, defined only when run as a program (so that importing this module
     next to another entry point does not define --config twice)."""
-    _FLAGS["config"] = config_flags.DEFINE_config_file(
-        "config", None, "Path to a config file with get_config(); override fields as "
-        "--config.section.field=value.", lock_config=True)
+    _FLAGS["config"] = config_lib.define_config_flag()
     flags.mark_flags_as_required(["config"])
 
 
