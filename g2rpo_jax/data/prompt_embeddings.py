@@ -245,9 +245,9 @@ def _encoder_devices() -> list:
 
     Once jax.distributed is initialised, XLA:CPU runs every collective through gloo, even
     between two devices of one process, and gloo there can pair a collective of one program
-    with one of the next (measured on the two-process test, before this rule: 1 run in 4
-    aborted with gloo's "Received data size doesn't match expected size"). One device needs
-    no collective; TPU and GPU keep the sharded encoders.
+    with one of the next (`benchmarks/two_process_preprocess.py`, before this rule: 4 of 6
+    runs aborted with gloo's "Received data size doesn't match expected size"; with it, 0 of
+    9). One device needs no collective; TPU and GPU keep the sharded encoders.
     """
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         return jax.local_devices()[:1]

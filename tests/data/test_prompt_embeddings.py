@@ -242,7 +242,7 @@ def test_two_processes_prepare_what_one_does(tmp_path):
 
 def test_multi_process_cpu_encodes_on_one_device(monkeypatch):
     """XLA:CPU sends in-process collectives through gloo once jax.distributed is up, and gloo
-    mismatched them (the two-process test aborted 1 run in 4), so CPU processes of a
+    mismatched them (see test_two_processes_prepare_what_one_does), so CPU processes of a
     multi-process run encode on one device; a single process keeps its whole local mesh."""
     assert pe._encoder_devices() == jax.local_devices() and len(jax.local_devices()) == 8
     monkeypatch.setattr(jax, "process_count", lambda: 2)
