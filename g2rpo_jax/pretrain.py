@@ -115,17 +115,20 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     step_fn = jax.jit(make_train_step(flux_graphdef, enc_graphdef, gen.autoencoder, optimizer,
                                       ema_decay), donate_argnums=(0, 1, 2))
 
-    def sampled():
-        """The weights that are evaluated and written (the average when there is one)."""
-        return ema if ema_decay else params
+    def load_sampled_weights():
+        """Puts the weights that are evaluated and written (the average when there is one)
+        into `gen`; returns them."""
+        weights = ema if ema_decay else params
+        gen.flux = nnx.merge(flux_graphdef, weights["flux"])
+        gen.text_encoder = nnx.merge(enc_graphdef, weights["text_encoder"])
+        return weights
+
     logger = metrics_lib.MetricsLogger(workdir)
     evaluator = evaluation.Evaluator(config, gen, held_out, mesh, scorers=("in_domain",
                                                                            "quality"))
 
     def evaluate(step):
-        weights = sampled()
-        gen.flux = nnx.merge(flux_graphdef, weights["flux"])
-        gen.text_encoder = nnx.merge(enc_graphdef, weights["text_encoder"])
+        weights = load_sampled_weights()
         scores = evaluator.scores(weights["flux"], text_encoder=gen.text_encoder)
         logger.write(step, {f"eval/{k}": v for k, v in scores.items()})
         return scores
@@ -157,8 +160,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
                 scores = evaluate(step + 1)
         scores = evaluate(settings.num_steps)
     seconds = time.perf_counter() - start
-    gen.flux = nnx.merge(flux_graphdef, sampled()["flux"])
-    gen.text_encoder = nnx.merge(enc_graphdef, sampled()["text_encoder"])
+    load_sampled_weights()
     gen.config = generator.generator_config(config)  # not the init file's metadata
     report = {"steps": settings.num_steps, "batch_size": settings.batch_size,
               "seconds": seconds, "held_out": scores, "seed": config.seed,
