@@ -32,6 +32,8 @@ TEST_REQUIRES = [
     "pytest-xdist==3.8.0",
     "torch==2.13.0",
     "diffusers==0.42.1",
+    # TensorBoard's own event reader: the resume tests check what it shows (purged events).
+    "tensorboard==2.21.0",
     # open_clip_torch==3.3.0 (the OpenCLIP reference) is installed with --no-deps by the test
     # command: its PyPI torchvision is a CUDA build that breaks the CPU torch. These are the
     # dependencies it needs that nothing else brings.

@@ -16,7 +16,6 @@ with FLAGS = --config.model.checkpoint=DIR/flux --config.data.prompts_file=DIR/p
 --config.reward.root=DIR/rewards.
 """
 
-import ml_collections
 
 from g2rpo_jax import config_lib
 from g2rpo_jax.testing import flux_fixture
@@ -46,9 +45,9 @@ def get_config(algorithm: str = "g2rpo"):
         config.algorithm.branch_steps = (0, 1)
     config.optimizer.learning_rate = 1e-4
     config.update_step.steps_per_update = 0   # one accumulated step per iteration
-    config.train = ml_collections.ConfigDict(dict(
+    config.train = config_lib.train_config(
         num_iterations=2, prompts_per_iteration=8, eval_every=1, checkpoint_every=0,
-        images_in_grid=8))
+        images_in_grid=8)
 
     # The fixture's reward checkpoints (flux_fixture.write_tiny_rewards) under reward.root;
     # architectures are read from the files (config "" = inferred).

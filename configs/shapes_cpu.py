@@ -35,8 +35,9 @@ def get_config(algorithm: str = "g2rpo"):
     config.optimizer = ml_collections.ConfigDict(dict(
         learning_rate=3e-5, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
         b2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0))
-    config.train = ml_collections.ConfigDict(dict(
-        num_iterations=24, prompts_per_iteration=16, eval_every=6, images_in_grid=16))
+    config.train = config_lib.train_config(
+        num_iterations=24, prompts_per_iteration=16, eval_every=6, images_in_grid=16,
+        checkpoint_every=6)
     # Rewards trained on (the verifier); the judge and the quality probe are only reported.
     config.reward.train = ["in_domain"]
     config.reward.weights = [1.0]

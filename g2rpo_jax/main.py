@@ -23,7 +23,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from g2rpo_jax import config_lib, parallel
+from g2rpo_jax import checkpoint, config_lib, parallel
 from g2rpo_jax.models import flux
 
 _CONFIG = config_lib.define_config_flag()
@@ -151,9 +151,10 @@ def main(argv):
     config = _CONFIG.value
     if config.mode not in MODES:
         raise app.UsageError(f"Unknown mode {config.mode!r}; choose one of {sorted(MODES)}.")
+    if config.get("compilation_cache_dir"):
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
     parallel.initialize_distributed(config.distributed)
-    workdir = _WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
+    workdir = checkpoint.ensure_writable(_WORKDIR.value)
     mesh = parallel.mesh_from_config(config.mesh)
     rules = parallel.rules_from_config(config.sharding_rules)
     MODES[config.mode](config, workdir, mesh, rules)

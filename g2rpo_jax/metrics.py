@@ -7,6 +7,7 @@ scalars to TensorBoard (DIR/tensorboard, via tensorboardX: no TensorFlow needed)
 
 from collections.abc import Mapping, Sequence
 import json
+import logging
 import math
 import os
 import time
@@ -14,25 +15,48 @@ import time
 import jax
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 
 class MetricsLogger:
-    def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
+    """Appends rows to DIR/metrics.jsonl and TensorBoard (process 0; every process counts the
+    rows, so the count can be checkpointed on all of them).
+
+    A resumed run continues the logs of the run it resumes: `keep_rows` truncates
+    metrics.jsonl to the rows the checkpoint had seen (rows a killed run wrote after it are
+    superseded), and `purge_step` makes TensorBoard drop that run's events from that step on.
+    `elapsed` continues the `time` column.
+    """
+
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl",
+                 keep_rows: int | None = None, purge_step: int | None = None,
+                 elapsed: float = 0.0):
         self.active = jax.process_index() == 0
         self.path = os.path.join(workdir, filename)
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() - elapsed
+        self.rows = keep_rows or 0
         self._file = self._writer = None
         if self.active:
             from tensorboardX import SummaryWriter  # heavy import, only where it writes
 
             os.makedirs(workdir, exist_ok=True)
+            if keep_rows is not None:
+                truncate_jsonl(self.path, keep_rows)
             self._file = open(self.path, "a")
-            self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                         purge_step=purge_step)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of this run so far (over every resumption)."""
+        return time.perf_counter() - self.start
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.rows += 1
         if not self.active:
             return
         values = {k: float(v) for k, v in scalars.items()}
-        row = {"step": int(step), "time": round(time.perf_counter() - self.start, 3), **values}
+        row = {"step": int(step), "time": round(self.elapsed, 3), **values}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for name, value in values.items():
@@ -44,6 +68,30 @@ class MetricsLogger:
         if self.active:
             self._file.close()
             self._writer.close()
+
+
+def truncate_jsonl(path: str, rows: int) -> int:
+    """Keeps the first `rows` lines of a JSONL file (atomically: a new file renamed over it);
+    returns how many lines were dropped. Fewer lines than `rows` is reported, not invented."""
+    if not os.path.exists(path):
+        if rows:
+            logger.warning("%s is missing; the %d rows before the checkpoint are lost.", path,
+                           rows)
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    if len(lines) < rows:
+        logger.warning("%s has %d rows but the checkpoint had seen %d; the missing rows are "
+                       "lost.", path, len(lines), rows)
+    dropped = max(0, len(lines) - rows)
+    if dropped:
+        logger.warning("%s: %d row(s) written after the checkpoint are superseded.", path,
+                       dropped)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(lines[:rows])
+        os.replace(tmp, path)
+    return dropped
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -1,17 +1,22 @@
 """RL fine-tuning of a generator (mode "train"): rollout → rewards → advantages → clipped GRPO
-update, with held-out evaluation, logs, image grids, a reward-curve plot and an Orbax checkpoint.
-One loop for every task (`config.task`, g2rpo_jax.tasks): the embedded shapes world, or the
-real FLUX.1 stack with preprocessed prompt embeddings and reward models.
+update, with held-out evaluation, logs, image grids, a reward-curve plot and Orbax checkpoints
+from which a killed or preempted run resumes exactly. One loop for every task (`config.task`,
+g2rpo_jax.tasks): the embedded shapes world, or the real FLUX.1 stack with preprocessed prompt
+embeddings and reward models.
 
   python -m g2rpo_jax.main --config=configs/shapes_cpu.py[:algorithm] --workdir=DIR
   python -m g2rpo_jax.main --config=configs/flux_tiny.py --config.mode=train --workdir=DIR ...
+
+The same command with the same DIR continues the run from its latest complete checkpoint
+(g2rpo_jax.checkpoint); `--config.train.start_over=True` starts again instead. SIGTERM saves
+at the next iteration boundary and exits 0. A step with a non-finite loss or gradient is not
+applied (counted as train/skipped_steps); train.max_consecutive_skips in a row stop the run.
 
 Outputs in DIR:
   metrics.jsonl, tensorboard/     per-iteration training scalars and periodic eval/* scores
   images/base.png, images/final.png   held-out samples (same prompts, same noise) before/after
   reward_curves.png               training reward, held-out scores, policy-ratio statistics
-  checkpoints/<iteration>/        Orbax checkpoint of the train state (params, optimizer, step)
-                                  (train.checkpoint_every: also every that many iterations)
+  checkpoints/<iteration>/        the run's state (train.checkpoint_every, ..._seconds, the end)
   generator.safetensors           shapes task: the fine-tuned generator (loadable as a base)
   summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s}
 """
@@ -28,7 +33,7 @@ import numpy as np
 import tqdm
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import evaluation, tasks
+from g2rpo_jax import evaluation, preemption, tasks
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import update as update_lib
@@ -39,25 +44,84 @@ from g2rpo_jax.tasks import shapes as shapes_task
 make_reward_fn = shapes_task.make_reward_fn
 
 
+def _fresh_loop_state() -> dict:
+    """What the loop carries between iterations besides the train state (the checkpoint's
+    `loop` item)."""
+    return {"iteration": 0, "data": None, "base": None, "latest": {}, "final": None,
+            "metrics_rows": 0, "elapsed_seconds": 0.0, "iteration_seconds": [],
+            "session_starts": [],
+            "skipped_steps": 0, "consecutive_skips": 0}
+
+
+def _count_skips(loop: dict, skipped) -> None:
+    """Adds this iteration's skipped optimizer steps [U] (in order) to the counters."""
+    for flag in np.asarray(skipped).reshape(-1):
+        loop["skipped_steps"] += int(flag)
+        loop["consecutive_skips"] = loop["consecutive_skips"] + 1 if flag else 0
+
+
 def train(config, workdir: str, mesh, rules) -> dict:
-    """RL fine-tuning on the task `config.task` (g2rpo_jax.tasks: "shapes" or "flux")."""
-    start = time.perf_counter()
+    """RL fine-tuning on the task `config.task` (g2rpo_jax.tasks: "shapes" or "flux"); resumes
+    the run in `workdir` if it has a checkpoint (README, "Checkpoints and resuming")."""
+    settings = config.train
+    checkpoint_lib.ensure_writable(workdir)
+    if settings.start_over:
+        checkpoint_lib.start_over(workdir)
+    run = checkpoint_lib.RunCheckpoints(workdir, settings.checkpoints_to_keep,
+                                        settings.async_checkpointing)
+    try:
+        return _train(config, workdir, mesh, rules, run)
+    finally:
+        run.close()   # waits for a save in flight: no checkpoint is left half-written
+
+
+def _train(config, workdir: str, mesh, rules, run) -> dict:
+    settings = config.train
     task = tasks.build(config, mesh, rules)
     algo = Algorithm.from_config(config.algorithm)
-    settings = config.train
     sigmas = evaluation.sigmas_from_config(config)
     reward_names = list(task.reward_names)
 
     graphdef, params = nnx.split(task.policy)
     optimizer = update_lib.make_optimizer(config.optimizer)
-    state = update_lib.init_state(params, optimizer, algo.kl_beta > 0, mesh)
+    keep_reference = algo.kl_beta > 0
+    restored = run.restore_latest(
+        update_lib.abstract_state(params, optimizer, keep_reference, mesh), config)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if restored is None:
+        state = update_lib.init_state(params, optimizer, keep_reference, mesh)
+        key, loop = jax.device_put(jax.random.key(config.seed), replicated), _fresh_loop_state()
+    else:
+        start_iteration, state, key, loop = restored
+        del params   # the restored parameters replace the starting point's
+        if start_iteration > settings.num_iterations:
+            raise ValueError(
+                f"The run in {workdir} is at iteration {start_iteration}, past "
+                f"train.num_iterations={settings.num_iterations}: raise num_iterations to "
+                "extend it, or evaluate its checkpoint (python -m g2rpo_jax.evaluate).")
+        task.restore_data_state(loop["data"])
+        logging.info("Resuming %s from iteration %d (%s).", workdir, start_iteration,
+                     run.step_dir(start_iteration))
     sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
         graphdef, algo, sigmas, task.latent_shape, task.reward_weights,
         guidance=config.sampling.guidance,
         quantize_timesteps=config.sampling.quantize_timesteps))
     update_fn = update_lib.make_update_fn(graphdef, optimizer, algo,
                                           update_lib.settings_from_config(config), sigmas)
-    logger = metrics_lib.MetricsLogger(workdir)
+    resumed = restored is not None
+    logger = metrics_lib.MetricsLogger(
+        workdir, keep_rows=loop["metrics_rows"],
+        purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"])
+    try:
+        return _loop(config, workdir, mesh, run, task, algo, graphdef, state, key, loop,
+                     sample_fn, finish_fn, update_fn, logger, reward_names)
+    finally:
+        logger.close()
+
+
+def _loop(config, workdir, mesh, run, task, algo, graphdef, state, key, loop, sample_fn,
+          finish_fn, update_fn, logger, reward_names) -> dict:
+    settings = config.train
     images_dir = os.path.join(workdir, "images")
     os.makedirs(images_dir, exist_ok=True)
     evaluator = task.evaluator
@@ -76,62 +140,107 @@ def train(config, workdir: str, mesh, rules) -> dict:
                     f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
-    base = evaluate(0, "base")
-    logging.info("Base held-out scores: %s", base)
-    key = jax.random.key(config.seed)
+    def save(iteration, wait=False):
+        loop.update(iteration=iteration, data=task.data_state(), metrics_rows=logger.rows,
+                    elapsed_seconds=logger.elapsed)
+        return run.save(iteration, state, key, loop, config, wait=wait)
+
+    if loop["iteration"] < settings.num_iterations:
+        loop["final"] = None   # an extended run evaluates again at its new end
+        # This process's first iteration compiles: kept out of the per-iteration median.
+        loop["session_starts"].append(len(loop["iteration_seconds"]))
+    if loop["base"] is None:
+        loop["base"] = loop["latest"] = evaluate(0, "base")
+        logging.info("Base held-out scores: %s", loop["base"])
+    num_iterations = settings.num_iterations
     compiled_update = None
-    latest, iteration_seconds = base, []
     headline = task.score_names[0] if task.score_names else None
-    checkpoint_every = settings.get("checkpoint_every", 0)
-    bar = tqdm.trange(settings.num_iterations, desc=f"train {config.algorithm.name}",
-                      dynamic_ncols=True, disable=jax.process_index() != 0)
-    for it in bar:
-        tick = time.perf_counter()
-        batch = task.next_batch()
-        cond = batch.cond
-        with jax.set_mesh(mesh):
-            finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
-            scores = task.rewards(finals, batch)
-            train_batch, stats = finish_fn(jnp.asarray(scores), carry)
-            if compiled_update is None:
-                compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
-            state, metrics = compiled_update(state, train_batch, cond)
-        summary = update_lib.summarize(metrics)
-        reward_mean = np.asarray(stats["reward_mean"])
-        row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
-        row["train/reward_std"] = float(np.mean(stats["reward_std"]))
-        row.update({f"train/{k}": v for k, v in summary.items()})
-        if not np.isfinite(summary["loss"]):
-            raise FloatingPointError(
-                f"The loss is {summary['loss']} at iteration {it} ({algo}); no checkpoint was "
-                "written. Lower optimizer.learning_rate or algorithm.advantage_clip.")
-        iteration_seconds.append(time.perf_counter() - tick)
-        row["train/seconds"] = iteration_seconds[-1]
-        if settings.eval_every and (it + 1) % settings.eval_every == 0 \
-                and it + 1 < settings.num_iterations:
-            latest = evaluate(it + 1)
-        logger.write(it + 1, row)
-        if checkpoint_every and (it + 1) % checkpoint_every == 0 \
-                and it + 1 < settings.num_iterations:
-            checkpoint_lib.save(workdir, it + 1, state)
-        bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
-                         "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
-                         "clip": f"{summary['clip_fraction']:.2f}",
-                         "held_out": f"{latest.get(headline, float('nan')):.3f}"})
-    iterations = settings.num_iterations
-    final = evaluate(iterations, "final")
-    seconds = time.perf_counter() - start
-    checkpoint_dir = checkpoint_lib.save(workdir, iterations, state)
-    report = {"base": base, "final": final, "iterations": iterations, "seconds": seconds,
-              "seconds_per_iteration": float(np.median(iteration_seconds[1:] or
-                                                       iteration_seconds or [0.0])),
-              "first_iteration_seconds": iteration_seconds[0] if iteration_seconds else 0.0,
+    last_save = time.monotonic()
+    watcher = preemption.Watcher()
+    bar = tqdm.tqdm(range(loop["iteration"], num_iterations), initial=loop["iteration"],
+                    total=num_iterations, desc=f"train {config.algorithm.name}",
+                    dynamic_ncols=True, disable=jax.process_index() != 0)
+    try:
+        for it in bar:
+            tick = time.perf_counter()
+            batch = task.next_batch()
+            cond = batch.cond
+            with jax.set_mesh(mesh):
+                finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
+                scores = task.rewards(finals, batch)
+                train_batch, stats = finish_fn(jnp.asarray(scores), carry)
+                if compiled_update is None:
+                    compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
+                state, metrics = compiled_update(state, train_batch, cond)
+            summary = update_lib.summarize(metrics)
+            _count_skips(loop, metrics["skipped"])
+            reward_mean = np.asarray(stats["reward_mean"])
+            row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
+            row["train/reward_std"] = float(np.mean(stats["reward_std"]))
+            row.update({f"train/{k}": v for k, v in summary.items() if k != "skipped_steps"})
+            row["train/skipped_steps"] = loop["skipped_steps"]
+            loop["iteration_seconds"].append(time.perf_counter() - tick)
+            row["train/seconds"] = loop["iteration_seconds"][-1]
+            if loop["consecutive_skips"] >= settings.max_consecutive_skips:
+                logger.write(it + 1, row)
+                steps = run.steps()
+                raise FloatingPointError(
+                    f"{loop['consecutive_skips']} optimizer steps in a row had a non-finite "
+                    f"loss or gradient (loss {summary['loss']}, gradient norm "
+                    f"{summary['grad_norm']}) up to iteration {it + 1} ({algo}); none was "
+                    "applied. The last good checkpoint is "
+                    f"{run.step_dir(steps[-1]) if steps else 'none (no iteration was saved)'}"
+                    ". Check the rewards for NaN, or lower optimizer.learning_rate or "
+                    "algorithm.advantage_clip (train.max_consecutive_skips sets the limit).")
+            if settings.eval_every and (it + 1) % settings.eval_every == 0 \
+                    and it + 1 < num_iterations:
+                loop["latest"] = evaluate(it + 1)
+            logger.write(it + 1, row)
+            bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
+                             "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
+                             "clip": f"{summary['clip_fraction']:.2f}",
+                             "skipped": loop["skipped_steps"],
+                             "held_out": f"{loop['latest'].get(headline, float('nan')):.3f}"})
+            if it + 1 == num_iterations:
+                break   # the final evaluation and save follow
+            if watcher.reached(it + 1):
+                path = save(it + 1, wait=True)
+                bar.close()
+                logging.warning("SIGTERM (preemption): saved iteration %d to %s; run the same "
+                                "command to resume.", it + 1, path)
+                return {"preempted": True, "iteration": it + 1, "checkpoint": path}
+            periodic = settings.checkpoint_every and (it + 1) % settings.checkpoint_every == 0
+            timed = settings.checkpoint_every_seconds and preemption.agree(
+                time.monotonic() - last_save >= settings.checkpoint_every_seconds)
+            if periodic or timed:
+                save(it + 1)
+                last_save = time.monotonic()
+    finally:
+        watcher.close()
+    bar.close()
+    if loop["final"] is None:
+        loop["final"] = evaluate(num_iterations, "final")
+    if num_iterations not in run.steps():
+        save(num_iterations, wait=True)
+    return _finish(config, workdir, run, task, graphdef, state, loop, reward_names)
+
+
+def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> dict:
+    """summary.json, the task's own output file and the reward-curve plot (process 0)."""
+    iterations = config.train.num_iterations
+    seconds = loop["iteration_seconds"]
+    steady = [t for i, t in enumerate(seconds) if i not in loop["session_starts"]]
+    report = {"base": loop["base"], "final": loop["final"], "iterations": iterations,
+              "seconds": loop["elapsed_seconds"],
+              "seconds_per_iteration": float(np.median(steady or seconds or [0.0])),
+              "first_iteration_seconds": seconds[0] if seconds else 0.0,
+              "skipped_steps": loop["skipped_steps"],
               "algorithm": config.algorithm.name, "seed": config.seed,
-              "checkpoint": checkpoint_dir}
+              "checkpoint": run.step_dir(iterations)}
     if jax.process_index() == 0:
         task.save(workdir, nnx.merge(graphdef, state.params),
                   {k: report[k] for k in ("base", "final", "iterations", "algorithm", "seed")})
-        rows = metrics_lib.read_jsonl(logger.path)
+        rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
         panels = {"training reward": [f"train/reward_{n}" for n in reward_names],
                   "held-out scores": [f"eval/{k}" for k in task.score_names],
                   "policy ratio": ["train/ratio_min", "train/ratio_max", "train/clip_fraction"]}
@@ -141,7 +250,6 @@ def train(config, workdir: str, mesh, rules) -> dict:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(report, f, indent=2)
         print_summary(report)
-    logger.close()
     return report
 
 

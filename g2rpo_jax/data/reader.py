@@ -6,7 +6,8 @@ of records), shared by the shapes world and the FLUX prompt-embedding datasets.
 
 Every epoch is one permutation of the records, the same on all hosts (seeded by (seed, epoch));
 host h takes its records h, h + H, h + 2H, ..., so the hosts' batches are disjoint and together
-cover the epoch once.
+cover the epoch once. `state()` / `restore()` give and take the position (epoch, batch), which
+the RL checkpoints hold.
 """
 
 from collections.abc import Iterator
@@ -64,6 +65,22 @@ class Reader(Iterator):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.source))
         used = order[:self.batches_per_epoch * self.batch_size * self.process_count]
         return used[self.process_index::self.process_count]
+
+    def state(self) -> dict:
+        """Where the reader is (JSON): the next batch is batch `position` of epoch `epoch`."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "records": len(self.source), "batches_per_epoch": self.batches_per_epoch}
+
+    def restore(self, state: dict) -> None:
+        """Continues from `state()` of a reader over the same records and global batch size."""
+        ours = self.state()
+        for field in ("seed", "records", "batches_per_epoch"):
+            if state[field] != ours[field]:
+                raise ValueError(f"The saved reader state has {field} {state[field]}, this "
+                                 f"reader {ours[field]}: the prompt dataset or the batch size "
+                                 "changed since the checkpoint.")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order()
 
     def __next__(self) -> dict:
         if self.position == self.batches_per_epoch:

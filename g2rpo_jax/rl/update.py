@@ -89,14 +89,31 @@ def make_optimizer(config) -> optax.GradientTransformation:
                     weight_decay=config.weight_decay))
 
 
-def init_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
-               mesh: jax.sharding.Mesh) -> TrainState:
-    """Optimizer state created next to the (already sharded) parameters; scalars replicated.
+def abstract_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
+                   mesh: jax.sharding.Mesh) -> TrainState:
+    """The TrainState's shapes, dtypes and shardings (`jax.ShapeDtypeStruct` leaves), nothing
+    allocated: the layout `init_state` creates, and the target a checkpoint is restored into.
     The moments are laid out like the parameters explicitly: left to jit they come back on one
     device and are then replicated (89 GiB per chip for FLUX.1-dev; benchmarks/tpu_aot.py)."""
-    shardings = parallel.optimizer_state_shardings(
-        optimizer, jax.eval_shape(optimizer.init, params),
-        jax.tree.map(lambda a: a.sharding, params), mesh)
+    param_shardings = jax.tree.map(lambda a: a.sharding, params)
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt_shardings = parallel.optimizer_state_shardings(optimizer, opt_shapes, param_shardings,
+                                                       mesh)
+    as_struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    abstract_params = jax.tree.map(as_struct, params, param_shardings)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return TrainState(params=abstract_params,
+                      opt_state=jax.tree.map(as_struct, opt_shapes, opt_shardings),
+                      ref_params=abstract_params if keep_reference else None,
+                      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+
+
+def init_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
+               mesh: jax.sharding.Mesh) -> TrainState:
+    """A fresh train state next to the (already sharded) parameters, laid out as
+    `abstract_state`; scalars replicated."""
+    shardings = jax.tree.map(lambda a: a.sharding,
+                             abstract_state(params, optimizer, keep_reference, mesh).opt_state)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings)(params)
     ref = jax.tree.map(jnp.copy, params) if keep_reference else None
     state = TrainState(params=params, opt_state=opt_state, ref_params=ref,
@@ -127,7 +144,8 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
     """Builds `update(state, batch, cond) -> (state, metrics)` (not yet jitted; see `jit_update`).
 
     Metrics are stacked [U, S, M] (updates, steps per update, micro-batches) per scalar, plus
-    grad_norm [U]; `summarize` reduces them.
+    grad_norm [U] and skipped [U] (the optimizer steps not applied because their loss or
+    gradient was not finite); `summarize` reduces them.
     """
     step_log_prob = functools.partial(rollout.step_log_prob, sde_step=algo.sde_step,
                                       reduce=algo.log_prob_reduce)
@@ -203,10 +221,17 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-            return new_state, (metrics, optax.tree.norm(grads))
+            # A step whose loss or gradient is not finite (a NaN reward, an overflow) is not
+            # applied: parameters, moments and counters stay as they were.
+            grad_norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(grad_norm) & jnp.all(jnp.isfinite(metrics["loss"]))
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state,
+                                     state)
+            return new_state, (metrics, grad_norm, ~finite)
 
-        state, (metrics, grad_norms) = jax.lax.scan(one_update, state, grouped)
-        metrics = dict(metrics, grad_norm=grad_norms, rollout_log_prob_gap=rollout_gap)
+        state, (metrics, grad_norms, skipped) = jax.lax.scan(one_update, state, grouped)
+        metrics = dict(metrics, grad_norm=grad_norms, skipped=skipped,
+                       rollout_log_prob_gap=rollout_gap)
         return state, metrics
 
     return update
@@ -228,6 +253,7 @@ def summarize(metrics: dict) -> dict[str, float]:
     out["ratio_min"] = float(jnp.min(metrics["ratio_min"]))
     out["ratio_max"] = float(jnp.max(metrics["ratio_max"]))
     out["grad_norm"] = float(jnp.mean(metrics["grad_norm"]))
+    out["skipped_steps"] = float(jnp.sum(metrics["skipped"]))
     out["first_update_log_ratio_abs_max"] = float(jnp.max(metrics["log_ratio_abs_max"][0]))
     out["rollout_log_prob_gap"] = float(metrics["rollout_log_prob_gap"])
     return out

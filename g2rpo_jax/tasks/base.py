@@ -46,6 +46,12 @@ class Task(Protocol):
         process, a global array otherwise), computed on the hosts between the rollout's two
         jitted stages."""
 
+    def data_state(self) -> dict:
+        """The prompt stream's position (JSON), saved in the run's checkpoints."""
+
+    def restore_data_state(self, state: dict) -> None:
+        """Continues the prompt stream from `data_state()`."""
+
     def save(self, workdir: str, policy, metadata: dict) -> str | None:
         """Writes the fine-tuned policy in the task's own format (besides the Orbax checkpoint
         the loop writes); returns the path, or None."""

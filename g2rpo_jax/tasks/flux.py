@@ -285,6 +285,12 @@ class FluxTask:
                                              p, rules=self.rules)
         return Batch(cond, batch["prompt"], batch["index"])
 
+    def data_state(self) -> dict:
+        return self.reader.state()
+
+    def restore_data_state(self, state: dict) -> None:
+        self.reader.restore(state)
+
     def rewards(self, finals, batch: Batch):
         """finals [P, M, N, C] → [R, P, M]: this process's rows decoded and scored in
         micro-batches on its devices."""

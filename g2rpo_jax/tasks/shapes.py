@@ -73,6 +73,12 @@ class ShapesTask:
         ids = np.asarray([self._prompt_index[p] for p in prompts], np.int32)
         return Batch(cond, prompts, ids)
 
+    def data_state(self) -> dict:
+        return self.reader.state()
+
+    def restore_data_state(self, state: dict) -> None:
+        self.reader.restore(state)
+
     def rewards(self, finals, batch: Batch) -> np.ndarray:
         return self._reward_fn(finals, batch.extra)
 

@@ -40,15 +40,53 @@ def _run(algo, mesh, settings=None, **kwargs):
 
 ALL = ["g2rpo", "g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo"]
 
+# Positive controls for the "first ratio is exactly 1" checks, which a ratio stuck at 1 (old
+# log-probs re-scored under the current parameters at every step, a loss that never sees the
+# moved parameters) would also pass. Once the parameters have moved, |log ratio| must exceed
+# MOVED. Measured on these tiny models: the first |log ratio| is rounding, ~1e-7 (the bf16
+# rollout-vs-update layout gap ~4e-4); after one AdamW step at lr 1e-3 it is 1e-2 to 3e-1. MOVED
+# sits 10× clear of both.
+MOVED = 1e-3
+
+
+@pytest.fixture
+def kept_update_fns(monkeypatch):
+    """The jitted updates `_run` builds, kept so that a control can apply one again without
+    compiling it a second time (15 to 30 s on 2 CPU cores)."""
+    kept, jit_update = [], update.jit_update
+
+    def keep(*args, **kwargs):
+        kept.append(jit_update(*args, **kwargs))
+        return kept[-1]
+
+    monkeypatch.setattr(update, "jit_update", keep)
+    return kept
+
+
+def _later_step_log_ratios(metrics) -> np.ndarray:
+    """max |log ratio| of each optimizer step after the first, i.e. after u ≥ 1 steps."""
+    per_step = np.asarray(metrics["log_ratio_abs_max"])                  # [U, S, M]
+    assert per_step.shape[0] > 1, "needs more than one optimizer step"
+    return per_step.reshape(per_step.shape[0], -1).max(-1)[1:]
+
+
+def _update_again(out: dict, update_fn, mesh) -> dict:
+    """The update applied a second time, from the updated state, to the SAME rollout batch,
+    whose stored old log-probs are now stale. Donates the state, so takes it out of `out`."""
+    with jax.set_mesh(mesh):
+        _, metrics = update_fn(out.pop("state"), out["batch"], out["cond"])
+    return update.summarize(metrics)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
-def test_first_ratio_is_one_with_rollout_batch_larger_than_update(name):
+def test_first_ratio_is_one_with_rollout_batch_larger_than_update(name, kept_update_fns):
     """DanceGRPO #57: the ratio drifted from 1 when rollout and update batches differed. Here the
     rollout scores 8 prompts × G members in one call (the continuation even more), the update
     works in micro-batches of 2 prompts."""
     mesh = parallel.make_mesh((2, 4, 1))
     out = _run(_algo(name), mesh, update.UpdateSettings(micro_batch_prompts=2))
+    (update_fn,) = kept_update_fns
     first = np.asarray(out["metrics"]["log_ratio_abs_max"][0])   # the first optimizer step
     assert first.shape[-1] == PROMPTS // 2                       # every micro-batch checked
     assert first.max() < 1e-6
@@ -61,13 +99,39 @@ def test_first_ratio_is_one_with_rollout_batch_larger_than_update(name):
     after = jax.tree.leaves(out["state"].params)
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(out["before"]), after,
                                                      strict=True))
+    # Positive controls: the ratio does leave 1 once the parameters have moved, (a) at every
+    # later optimizer step of this update, (b) at the first step of an update from the moved
+    # parameters on the same batch (the stored old log-probs are now one update old).
+    later = _later_step_log_ratios(out["metrics"])
+    again = _update_again(out, update_fn, mesh)
+    print(f"{name}: |log ratio| first {summary['first_update_log_ratio_abs_max']:.3g}, later "
+          f"steps {np.array2string(later, precision=3)}, first of a second update "
+          f"{again['first_update_log_ratio_abs_max']:.3g}")
+    assert later.min() > MOVED
+    assert again["first_update_log_ratio_abs_max"] > MOVED
 
 
-def test_recomputed_old_log_probs_match_the_rollout():
-    out = _run(_algo("g2rpo"), parallel.make_mesh((8, 1, 1)),
+def test_recomputed_old_log_probs_match_the_rollout(kept_update_fns):
+    mesh = parallel.make_mesh((8, 1, 1))
+    out = _run(_algo("g2rpo"), mesh,
                update.UpdateSettings(micro_batch_prompts=4, recompute_old_log_prob=True))
-    assert float(out["metrics"]["rollout_log_prob_gap"]) < 1e-6
-    assert float(np.max(out["metrics"]["log_ratio_abs_max"][0])) < 1e-6
+    (update_fn,) = kept_update_fns
+    gap = float(out["metrics"]["rollout_log_prob_gap"])
+    first = float(np.max(out["metrics"]["log_ratio_abs_max"][0]))
+    assert gap < 1e-6
+    assert first < 1e-6
+    # Positive controls: old log-probs are re-scored once per update, not per optimizer step, so
+    # (a) the later steps see a ratio away from 1; (b) from the moved parameters the re-scored
+    # values differ from the (stale) stored ones, and the first ratio is 1 again.
+    later = _later_step_log_ratios(out["metrics"])
+    again = _update_again(out, update_fn, mesh)
+    print(f"gap {gap:.3g}, |log ratio| first {first:.3g}, later steps "
+          f"{np.array2string(later, precision=3)}; second update: gap "
+          f"{again['rollout_log_prob_gap']:.3g}, "
+          f"first {again['first_update_log_ratio_abs_max']:.3g}")
+    assert later.min() > MOVED
+    assert again["rollout_log_prob_gap"] > MOVED
+    assert again["first_update_log_ratio_abs_max"] < 1e-6
 
 
 def test_g2rpo_batch_layout_and_advantages():
@@ -204,13 +268,27 @@ def test_update_settings_errors():
 
 
 
-def test_bfloat16_ratio_is_one_with_recomputed_old_log_probs():
+def test_bfloat16_ratio_is_one_with_recomputed_old_log_probs(kept_update_fns):
     """In bf16 the rollout's batch shapes round differently from the update's (the peers'
     DanceGRPO #57); re-scoring the stored transitions in the update's layout makes the first
     ratio exactly 1, and the rollout-vs-update gap is reported."""
-    out = _run(_algo("g2rpo"), parallel.make_mesh((2, 4, 1)),
+    mesh = parallel.make_mesh((2, 4, 1))
+    out = _run(_algo("g2rpo"), mesh,
                update.UpdateSettings(micro_batch_prompts=2, recompute_old_log_prob=True),
                model_config=dataclasses.replace(CFG, dtype="bfloat16"))
+    (update_fn,) = kept_update_fns
     summary = update.summarize(out["metrics"])
     assert summary["first_update_log_ratio_abs_max"] < 1e-6
     assert np.isfinite(summary["rollout_log_prob_gap"])
+    # Positive controls, as in the float32 case; in bf16 the moved parameters must also stand
+    # out above the layout gap of the first update.
+    later = _later_step_log_ratios(out["metrics"])
+    again = _update_again(out, update_fn, mesh)
+    print(f"gap {summary['rollout_log_prob_gap']:.3g}, |log ratio| first "
+          f"{summary['first_update_log_ratio_abs_max']:.3g}, later steps "
+          f"{np.array2string(later, precision=3)}; second update: gap "
+          f"{again['rollout_log_prob_gap']:.3g}, "
+          f"first {again['first_update_log_ratio_abs_max']:.3g}")
+    assert later.min() > MOVED
+    assert again["rollout_log_prob_gap"] > max(MOVED, 10 * summary["rollout_log_prob_gap"])
+    assert again["first_update_log_ratio_abs_max"] < 1e-6

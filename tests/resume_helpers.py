@@ -1,0 +1,97 @@
+"""Shared by the resume tests: the entry point in a subprocess (optionally killed), and a
+checkpoint step read back as numpy for bit-for-bit comparisons."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Columns of metrics.jsonl that measure wall time, not the computation.
+TIMING_COLUMNS = ("time", "train/seconds")
+
+
+def environment(devices: int = 2) -> dict:
+    return dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
+                PYTHONUNBUFFERED="1")
+
+
+def run_main(flags: list[str], *, kill_at_commit: int | None = None, devices: int = 2,
+             timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m g2rpo_jax.main FLAGS` to the end (or to its self-inflicted SIGKILL)."""
+    command = [sys.executable, "-m", "g2rpo_jax.main", *flags]
+    if kill_at_commit is not None:
+        command = [sys.executable, "-m", "g2rpo_jax.testing.interrupt",
+                   f"--kill_at_commit={kill_at_commit}", "--", *flags]
+    return subprocess.run(command, cwd=ROOT, env=environment(devices), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_main(flags: list[str], log_path: str, devices: int = 2) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, "-m", "g2rpo_jax.main", *flags], cwd=ROOT,
+                            env=environment(devices), stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def metrics_rows(workdir) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for(predicate, process: subprocess.Popen, timeout: float = 900, what: str = ""):
+    """Polls `predicate()` until true; fails if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"The run ended (rc {process.returncode}) before {what}.")
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"Timed out waiting for {what}.")
+
+
+def kill(process: subprocess.Popen, sig=signal.SIGKILL) -> int:
+    process.send_signal(sig)
+    return process.wait(timeout=600)
+
+
+def computed_rows(workdir) -> list[dict]:
+    """metrics.jsonl without its wall-time columns."""
+    return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS}
+            for row in metrics_rows(workdir)]
+
+
+def read_step(step_dir: str) -> dict:
+    """The `state` item of a checkpoint step as a flat {path: numpy array}."""
+    path = os.path.join(step_dir, "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(path).item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+def loop_item(step_dir: str) -> dict:
+    with open(os.path.join(step_dir, "loop", "metadata")) as f:
+        return json.load(f)
+
+
+def assert_identical_states(a: dict, b: dict) -> int:
+    """Bit-for-bit equality of two `read_step` results; returns the number of arrays."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), f"{name} differs"
+    return len(a)
