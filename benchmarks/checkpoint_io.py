@@ -1,6 +1,6 @@
 """Seconds and bytes of one RL checkpoint (g2rpo_jax.checkpoint.RunCheckpoints): the train
-state (float32 parameters, both AdamW moments, counters, the key) and the loop's JSON, for the
-shapes world's base generator and the tiny FLUX.1-dev fixture's transformer.
+state (float32 parameters, both AdamW moments after one step, counters, the key) and the loop's
+JSON, for the shapes world's base generator and the tiny FLUX.1-dev fixture's transformer.
 
   python benchmarks/checkpoint_io.py [--devices=8] [--repeats=3] [--output=FILE.json]
 
@@ -17,6 +17,7 @@ import tempfile
 import time
 
 import jax
+import optax
 
 
 def _bytes(path: str) -> int:
@@ -33,6 +34,15 @@ def measure(name, model, mesh, repeats: int, config) -> dict:
     _, params = nnx.split(model)
     optimizer = update.make_optimizer(config.optimizer)
     state = update.init_state(params, optimizer, False, mesh)
+    # One AdamW step on random gradients, so the moments hold real (incompressible) values as
+    # in a run, not the zeros of a fresh state.
+    leaves, tree = jax.tree.flatten(state.params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    grads = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype) * 1e-3
+                                      for k, x in zip(keys, leaves)])
+    updates, opt_state = jax.jit(optimizer.update)(grads, state.opt_state, state.params)
+    state = state.replace(params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state, step=state.step + 1)
     target = update.abstract_state(params, optimizer, False, mesh)
     key = jax.random.key(0)
     loop = {"iteration": 0, "data": {"epoch": 0, "position": 0}}

@@ -141,7 +141,7 @@ def get_config(argument: str = "g2rpo,hps"):
     config.train.num_iterations = NUM_ITERATIONS
     config.train.prompts_per_iteration = PROMPTS_PER_ITERATION
     # Spot / preemptible slices: a checkpoint every 10 iterations (and one on SIGTERM); the
-    # two newest are kept (params + AdamW moments in float32: 3 × 47.6 GB each).
+    # two newest are kept (params + AdamW moments in float32: 142.8 GB each).
     config.train.checkpoint_every = 10
     config.train.checkpoints_to_keep = 2
     names, weights = REWARDS[reward]
