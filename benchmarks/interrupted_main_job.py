@@ -50,17 +50,9 @@ def run_until(workdir, step, sig, log):
 
 
 def read_state(step_dir):
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
+    from g2rpo_jax import checkpoint
 
-    path = os.path.join(step_dir, "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(p): np.asarray(v).tobytes() for p, v in flat}
+    return {k: v.tobytes() for k, v in checkpoint.read_arrays(step_dir).items()}
 
 
 def main():

@@ -307,3 +307,15 @@ def restore_params(step_dir: str, abstract_state: nnx.State, shardings: nnx.Stat
                          f"({e}). Evaluate it with the config (model.checkpoint) it was trained "
                          "from.") from None
     return _replace(abstract_state, restored["params"])
+
+
+def read_arrays(step_dir: str) -> dict[str, np.ndarray]:
+    """A checkpoint step's `state` item on the host, flat {path: numpy array} (e.g.
+    "['params']['final_layer']['linear']['kernel']"): for inspecting and comparing runs."""
+    path = os.path.join(step_dir, "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(path).item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}

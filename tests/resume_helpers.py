@@ -8,9 +8,7 @@ import subprocess
 import sys
 import time
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
+from g2rpo_jax import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Columns of metrics.jsonl that measure wall time, not the computation.
@@ -74,13 +72,7 @@ def computed_rows(workdir) -> list[dict]:
 
 def read_step(step_dir: str) -> dict:
     """The `state` item of a checkpoint step as a flat {path: numpy array}."""
-    path = os.path.join(step_dir, "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path).item_metadata.tree
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+    return checkpoint.read_arrays(step_dir)
 
 
 def loop_item(step_dir: str) -> dict:
