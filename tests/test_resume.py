@@ -1,4 +1,4 @@
-"""Never losing a run (issue 12): a run killed with SIGKILL (even inside an asynchronous save)
+"""Never losing a run: a run killed with SIGKILL (even inside an asynchronous save)
 or stopped by SIGTERM resumes to bit-identical parameters, optimizer state and metrics rows;
 TensorBoard continues without duplicates; non-finite steps are skipped inside the update;
 checkpoints restore onto other meshes; bad workdirs, configs and checkpoints are named."""
