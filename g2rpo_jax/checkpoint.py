@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 _STEP_MARKER = "_CHECKPOINT_METADATA"
 CHECKPOINTS = "checkpoints"
-ITEMS = ("state", "loop", "config")
 
 # Config fields that may differ between a killed run and its resumption: how long the run goes
 # on and how often it evaluates or saves, where it runs (mesh, processes, sharding rules), and

@@ -21,6 +21,7 @@ Outputs in DIR:
   summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s}
 """
 
+import contextlib
 import json
 import os
 import time
@@ -67,15 +68,15 @@ def train(config, workdir: str, mesh, rules) -> dict:
     checkpoint_lib.ensure_writable(workdir)
     if settings.start_over:
         checkpoint_lib.start_over(workdir)
-    run = checkpoint_lib.RunCheckpoints(workdir, settings.checkpoints_to_keep,
-                                        settings.async_checkpointing)
-    try:
-        return _train(config, workdir, mesh, rules, run)
-    finally:
-        run.close()   # waits for a save in flight: no checkpoint is left half-written
+    with contextlib.ExitStack() as cleanup:   # closed last to first, also on an error
+        run = checkpoint_lib.RunCheckpoints(workdir, settings.checkpoints_to_keep,
+                                            settings.async_checkpointing)
+        # Closing waits for a save in flight: no checkpoint is left half-written.
+        cleanup.callback(run.close)
+        return _train(config, workdir, mesh, rules, run, cleanup)
 
 
-def _train(config, workdir: str, mesh, rules, run) -> dict:
+def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack) -> dict:
     settings = config.train
     task = tasks.build(config, mesh, rules)
     algo = Algorithm.from_config(config.algorithm)
@@ -87,9 +88,9 @@ def _train(config, workdir: str, mesh, rules, run) -> dict:
     keep_reference = algo.kl_beta > 0
     restored = run.restore_latest(
         update_lib.abstract_state(params, optimizer, keep_reference, mesh), config)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if restored is None:
         state = update_lib.init_state(params, optimizer, keep_reference, mesh)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         key, loop = jax.device_put(jax.random.key(config.seed), replicated), _fresh_loop_state()
     else:
         start_iteration, state, key, loop = restored
@@ -112,16 +113,7 @@ def _train(config, workdir: str, mesh, rules, run) -> dict:
     logger = metrics_lib.MetricsLogger(
         workdir, keep_rows=loop["metrics_rows"],
         purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"])
-    try:
-        return _loop(config, workdir, mesh, run, task, algo, graphdef, state, key, loop,
-                     sample_fn, finish_fn, update_fn, logger, reward_names)
-    finally:
-        logger.close()
-
-
-def _loop(config, workdir, mesh, run, task, algo, graphdef, state, key, loop, sample_fn,
-          finish_fn, update_fn, logger, reward_names) -> dict:
-    settings = config.train
+    cleanup.callback(logger.close)
     images_dir = os.path.join(workdir, "images")
     os.makedirs(images_dir, exist_ok=True)
     evaluator = task.evaluator
@@ -157,67 +149,66 @@ def _loop(config, workdir, mesh, run, task, algo, graphdef, state, key, loop, sa
     headline = task.score_names[0] if task.score_names else None
     last_save = time.monotonic()
     watcher = preemption.Watcher()
+    cleanup.callback(watcher.close)
     bar = tqdm.tqdm(range(loop["iteration"], num_iterations), initial=loop["iteration"],
                     total=num_iterations, desc=f"train {config.algorithm.name}",
                     dynamic_ncols=True, disable=jax.process_index() != 0)
-    try:
-        for it in bar:
-            tick = time.perf_counter()
-            batch = task.next_batch()
-            cond = batch.cond
-            with jax.set_mesh(mesh):
-                finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
-                scores = task.rewards(finals, batch)
-                train_batch, stats = finish_fn(jnp.asarray(scores), carry)
-                if compiled_update is None:
-                    compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
-                state, metrics = compiled_update(state, train_batch, cond)
-            summary = update_lib.summarize(metrics)
-            _count_skips(loop, metrics["skipped"])
-            reward_mean = np.asarray(stats["reward_mean"])
-            row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
-            row["train/reward_std"] = float(np.mean(stats["reward_std"]))
-            row.update({f"train/{k}": v for k, v in summary.items() if k != "skipped_steps"})
-            row["train/skipped_steps"] = loop["skipped_steps"]
-            loop["iteration_seconds"].append(time.perf_counter() - tick)
-            row["train/seconds"] = loop["iteration_seconds"][-1]
-            if loop["consecutive_skips"] >= settings.max_consecutive_skips:
-                logger.write(it + 1, row)
-                steps = run.steps()
-                raise FloatingPointError(
-                    f"{loop['consecutive_skips']} optimizer steps in a row had a non-finite "
-                    f"loss or gradient (loss {summary['loss']}, gradient norm "
-                    f"{summary['grad_norm']}) up to iteration {it + 1} ({algo}); none was "
-                    "applied. The last good checkpoint is "
-                    f"{run.step_dir(steps[-1]) if steps else 'none (no iteration was saved)'}"
-                    ". Check the rewards for NaN, or lower optimizer.learning_rate or "
-                    "algorithm.advantage_clip (train.max_consecutive_skips sets the limit).")
-            if settings.eval_every and (it + 1) % settings.eval_every == 0 \
-                    and it + 1 < num_iterations:
-                loop["latest"] = evaluate(it + 1)
+    for it in bar:
+        tick = time.perf_counter()
+        batch = task.next_batch()
+        cond = batch.cond
+        with jax.set_mesh(mesh):
+            finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
+            scores = task.rewards(finals, batch)
+            train_batch, stats = finish_fn(jnp.asarray(scores), carry)
+            if compiled_update is None:
+                compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
+            state, metrics = compiled_update(state, train_batch, cond)
+        summary = update_lib.summarize(metrics)
+        _count_skips(loop, metrics["skipped"])
+        reward_mean = np.asarray(stats["reward_mean"])
+        row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
+        row["train/reward_std"] = float(np.mean(stats["reward_std"]))
+        row.update({f"train/{k}": v for k, v in summary.items()})
+        row["train/skipped_steps"] = loop["skipped_steps"]   # over the run, not this update
+        loop["iteration_seconds"].append(time.perf_counter() - tick)
+        row["train/seconds"] = loop["iteration_seconds"][-1]
+        if loop["consecutive_skips"] >= settings.max_consecutive_skips:
             logger.write(it + 1, row)
-            bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
-                             "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
-                             "clip": f"{summary['clip_fraction']:.2f}",
-                             "skipped": loop["skipped_steps"],
-                             "held_out": f"{loop['latest'].get(headline, float('nan')):.3f}"})
-            if it + 1 == num_iterations:
-                break   # the final evaluation and save follow
-            if watcher.reached(it + 1):
-                path = save(it + 1, wait=True)
-                bar.close()
-                logging.warning("SIGTERM (preemption): saved iteration %d to %s; run the same "
-                                "command to resume.", it + 1, path)
-                return {"preempted": True, "iteration": it + 1, "checkpoint": path}
-            periodic = settings.checkpoint_every and (it + 1) % settings.checkpoint_every == 0
-            timed = settings.checkpoint_every_seconds and preemption.agree(
-                time.monotonic() - last_save >= settings.checkpoint_every_seconds)
-            if periodic or timed:
-                save(it + 1)
-                last_save = time.monotonic()
-    finally:
-        watcher.close()
+            steps = run.steps()
+            raise FloatingPointError(
+                f"{loop['consecutive_skips']} optimizer steps in a row had a non-finite "
+                f"loss or gradient (loss {summary['loss']}, gradient norm "
+                f"{summary['grad_norm']}) up to iteration {it + 1} ({algo}); none was "
+                "applied. The last good checkpoint is "
+                f"{run.step_dir(steps[-1]) if steps else 'none (no iteration was saved)'}"
+                ". Check the rewards for NaN, or lower optimizer.learning_rate or "
+                "algorithm.advantage_clip (train.max_consecutive_skips sets the limit).")
+        if settings.eval_every and (it + 1) % settings.eval_every == 0 \
+                and it + 1 < num_iterations:
+            loop["latest"] = evaluate(it + 1)
+        logger.write(it + 1, row)
+        bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
+                         "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
+                         "clip": f"{summary['clip_fraction']:.2f}",
+                         "skipped": loop["skipped_steps"],
+                         "held_out": f"{loop['latest'].get(headline, float('nan')):.3f}"})
+        if it + 1 == num_iterations:
+            break   # the final evaluation and save follow
+        if watcher.reached(it + 1):
+            path = save(it + 1, wait=True)
+            bar.close()
+            logging.warning("SIGTERM (preemption): saved iteration %d to %s; run the same "
+                            "command to resume.", it + 1, path)
+            return {"preempted": True, "iteration": it + 1, "checkpoint": path}
+        periodic = settings.checkpoint_every and (it + 1) % settings.checkpoint_every == 0
+        timed = settings.checkpoint_every_seconds and preemption.agree(
+            time.monotonic() - last_save >= settings.checkpoint_every_seconds)
+        if periodic or timed:
+            save(it + 1)
+            last_save = time.monotonic()
     bar.close()
+    watcher.close()   # a SIGTERM from here on ends the process as usual
     if loop["final"] is None:
         loop["final"] = evaluate(num_iterations, "final")
     if num_iterations not in run.steps():

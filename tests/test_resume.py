@@ -19,7 +19,8 @@ import resume_helpers as rh
 from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import config_lib, evaluate, generator, parallel, tasks, train
 from g2rpo_jax.models import flux
-from g2rpo_jax.rl import update
+from g2rpo_jax.rl import algorithms, update
+from g2rpo_jax.sampling import schedules
 from g2rpo_jax.tasks import shapes as shapes_task
 from g2rpo_jax.testing import tiny_rl
 
@@ -257,16 +258,12 @@ def test_update_skips_non_finite_steps_and_keeps_the_state():
 
 
 def tiny_rl_algo():
-    from g2rpo_jax.rl import algorithms
-
     return algorithms.Algorithm.from_config(algorithms.preset(
         "g2rpo", group_size=4, branch_steps=(0, 1, 2), granularities=(1, 2),
         granularity_weights=(1.0, 1.0)))
 
 
 def tiny_rl_sigmas():
-    from g2rpo_jax.sampling import schedules
-
     return schedules.flux_sigmas(6, 3.0)
 
 
