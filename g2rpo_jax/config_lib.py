@@ -128,7 +128,12 @@ def reward_model(kind: str, path: str = "", **options) -> ml_collections.ConfigD
     Empty options are not passed, except `config=""`: None, i.e. the architecture is read from
     the checkpoint's config file or inferred from its shapes. `path`, `tokenizer` and
     `clip_path` may be relative to `config.reward.root`; an empty `tokenizer` of hps /
-    clip_score means FLUX.1's own tokenizer/ (the same CLIP BPE as OpenCLIP's)."""
+    clip_score means FLUX.1's own tokenizer/ (the same CLIP BPE as OpenCLIP's).
+
+    A `remote` reward takes its URL as `path` and, besides `timeout=` and `image_format=`, the
+    retry options of rewards.registry.RemoteReward: e.g. `reward_model("remote",
+    "http://scorer:8000/score", retries=5, backoff_seconds=1.0, max_backoff_seconds=30.0,
+    jitter=0.1)` (0 is passed as is: `retries=0` fails on the first error)."""
     return ml_collections.ConfigDict(dict(kind=kind, path=path, **options))
 
 

@@ -8,12 +8,19 @@ transformers' PIL image processor, models with transformers.
 """
 
 import base64
+import collections
+import email.utils
 import http.server
 import io
 import json
+import logging
+import random
 import socket
+import struct
 import threading
 import time
+import urllib.parse
+import uuid
 
 from flax import nnx
 import jax
@@ -332,15 +339,40 @@ def test_registry_names_and_errors():
 # ---------------------------------------------------------------------------------------------
 # The remote reward, against a scoring server on 127.0.0.1 (loopback only, a handful of requests).
 
+_REQUESTS = collections.Counter()   # request path (with its query) -> requests received
+_REQUESTS_LOCK = threading.Lock()
+
 
 class _ScoringHandler(http.server.BaseHTTPRequestHandler):
-    """Scores = mean pixel value in [0, 1] + number of characters of the prompt."""
+    """Scores = mean pixel value in [0, 1] + number of characters of the prompt.
+
+    Failures on demand: /flaky?fail=K&how=H&id=... fails its first K requests (fail=always:
+    every one) with HTTP status H, or drops (how=drop) or resets (how=reset) the connection;
+    retry_after=S adds a Retry-After header. Every path counts its requests in _REQUESTS (the
+    tests give each URL a unique id)."""
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.path == "/error":
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        with _REQUESTS_LOCK:
+            _REQUESTS[self.path] += 1
+            count = _REQUESTS[self.path]
+        if url.path == "/flaky" and (query["fail"] == "always" or count <= int(query["fail"])):
+            how = query.get("how", "503")
+            if how in ("drop", "reset"):
+                if how == "reset":   # close with an RST instead of a FIN
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                self.close_connection = True
+                return None
+            extra = {"Retry-After": query["retry_after"]} if "retry_after" in query else {}
+            return self._send(int(how), b"busy, try later", extra)
+        if url.path == "/error":
             return self._send(500, b"the model crashed")
-        if self.path == "/slow":
+        if url.path == "/notjson":
+            return self._send(200, b"<html>scores</html>")
+        if url.path == "/slow":
             time.sleep(1.0)
         if self.headers["Content-Type"] == "application/json":
             request = json.loads(body)
@@ -351,14 +383,18 @@ class _ScoringHandler(http.server.BaseHTTPRequestHandler):
             archive = np.load(io.BytesIO(body), allow_pickle=False)
             images, prompts = list(archive["images"]), [str(p) for p in archive["prompts"]]
         scores = [float(im.mean()) / 255.0 + len(p) for im, p in zip(images, prompts, strict=True)]
-        if self.path == "/short":
+        if url.path == "/short":
             scores = scores[:-1]
+        if url.path == "/nan":
+            scores[0] = float("nan")
         self._send(200, json.dumps({"scores": scores}).encode())
 
-    def _send(self, status, payload: bytes):
+    def _send(self, status, payload: bytes, extra_headers=None):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        for key, value in (extra_headers or {}).items():
+            self.send_header(key, value)
         self.end_headers()
         try:
             self.wfile.write(payload)
@@ -380,6 +416,30 @@ def server():
     httpd.server_close()
 
 
+def _unique(server: str, path: str, **query) -> str:
+    """server + path + query with a fresh id, so that its request count starts at 0."""
+    query["id"] = uuid.uuid4().hex[:12]
+    return f"{server}{path}?{urllib.parse.urlencode(query)}"
+
+
+def _requests(url: str) -> int:
+    split = urllib.parse.urlsplit(url)
+    with _REQUESTS_LOCK:
+        return _REQUESTS[f"{split.path}?{split.query}"]
+
+
+_IMAGES = np.stack([np.full((8, 8, 3), 0.5, np.float32), np.zeros((8, 8, 3), np.float32)])
+_PROMPTS = ["a cat", "a dog on a sofa"]
+_EXPECTED = [128 / 255 + 5, 0 + 15]
+
+
+def _fast(url: str, waits: list, **kw) -> registry.RemoteReward:
+    """A remote reward that records its waits instead of sleeping (no jitter: exact waits)."""
+    kw = dict(timeout=10, retries=3, backoff_seconds=0.01, max_backoff_seconds=1.0, jitter=0.0,
+              sleep=waits.append) | kw
+    return registry.get("remote", url, **kw)
+
+
 @pytest.mark.parametrize("image_format", ["png", "npz"])
 def test_remote_reward_round_trip(server, image_format):
     images = np.stack([known_image(24, 32, seed=s) for s in (3, 4)]) / 255.0
@@ -396,15 +456,153 @@ def test_remote_reward_errors(server):
     images = np.zeros((2, 8, 8, 3), np.float32)
     prompts = ["a", "b"]
     with pytest.raises(registry.RemoteRewardError, match="HTTP 500.*the model crashed"):
-        registry.get("remote", server + "/error")(images, prompts)
+        registry.get("remote", server + "/error", retries=0)(images, prompts)
     with pytest.raises(registry.RemoteRewardError, match="expected .*2 numbers"):
         registry.get("remote", server + "/short")(images, prompts)
     with pytest.raises(registry.RemoteRewardError, match="no answer within 0.3 s"):
-        registry.get("remote", server + "/slow", timeout=0.3)(images, prompts)
+        registry.get("remote", server + "/slow", timeout=0.3, retries=0)(images, prompts)
     with socket.socket() as s:  # a loopback port with nobody listening
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     with pytest.raises(registry.RemoteRewardError, match="cannot connect"):
-        registry.get("remote", f"http://127.0.0.1:{closed}/score", timeout=2)(images, prompts)
+        registry.get("remote", f"http://127.0.0.1:{closed}/score", timeout=2,
+                     retries=0)(images, prompts)
     with pytest.raises(ValueError, match="http"):
         registry.get("remote", url="ftp://example")
+
+
+@pytest.mark.parametrize("how", ["503", "502", "429", "408", "drop", "reset"])
+def test_remote_reward_retries_transient_failures(server, how, caplog):
+    url = _unique(server, "/flaky", fail=2, how=how)
+    waits = []
+    with caplog.at_level(logging.WARNING, logger=registry.__name__):
+        got = _fast(url, waits)(_IMAGES, _PROMPTS)
+    np.testing.assert_allclose(got, _EXPECTED, rtol=1e-6)
+    assert _requests(url) == 3                       # 2 failures, then the answer
+    assert waits == [0.01, 0.02]                     # backoff_seconds, doubled
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    for attempt, message in enumerate(warnings, start=1):
+        assert f"attempt {attempt} of 4 failed" in message and url in message
+        if how.isdigit():
+            assert f"HTTP {how}" in message
+        else:
+            assert "connection lost" in message or "cannot connect" in message
+
+
+def test_remote_reward_gives_up_after_retries(server):
+    url = _unique(server, "/flaky", fail="always", how=503)
+    waits = []
+    reward = _fast(url, waits, retries=4, max_backoff_seconds=0.05)
+    with pytest.raises(registry.RemoteRewardError) as error:
+        reward(_IMAGES, _PROMPTS)
+    assert _requests(url) == 5                       # retries + 1 attempts
+    assert waits == [0.01, 0.02, 0.04, 0.05]         # doubling, capped at max_backoff_seconds
+    message = str(error.value)
+    for part in (url, "gave up after 5 attempts", "0.12 s of it waiting", "HTTP 503",
+                 "busy, try later", "Check that the service is up", "retries= (now 4)",
+                 "timeout= (now 10 s)"):
+        assert part in message, (part, message)
+
+
+def test_remote_reward_retries_refused_connections_with_real_sleeps():
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    reward = registry.get("remote", f"http://127.0.0.1:{closed}/score", timeout=2, retries=2,
+                          backoff_seconds=0.05, jitter=0.0)
+    start = time.monotonic()
+    with pytest.raises(registry.RemoteRewardError,
+                       match=r"gave up after 3 attempts .*0\.15 s of it waiting.*cannot connect"):
+        reward(_IMAGES, _PROMPTS)
+    assert 0.15 <= time.monotonic() - start < 5      # it did sleep 0.05 + 0.1 s, no more
+
+
+def test_remote_reward_retries_timeouts(server):
+    url = _unique(server, "/slow")
+    waits = []
+    with pytest.raises(registry.RemoteRewardError,
+                       match=r"gave up after 2 attempts.*no answer within 0\.3 s"):
+        _fast(url, waits, timeout=0.3, retries=1)(_IMAGES, _PROMPTS)
+    assert _requests(url) == 2 and waits == [0.01]
+
+
+@pytest.mark.parametrize("path, query, match", [
+    ("/flaky", dict(fail="always", how=400), "HTTP 400.*busy, try later"),
+    ("/flaky", dict(fail="always", how=404), "HTTP 404"),
+    ("/flaky", dict(fail="always", how=501), "HTTP 501"),
+    ("/short", {}, "expected .*2 numbers"),
+    ("/notjson", {}, "not JSON"),
+    ("/nan", {}, "non-finite"),
+])
+def test_remote_reward_does_not_retry_permanent_failures(server, path, query, match):
+    url = _unique(server, path, **query)
+    waits = []
+    with pytest.raises(registry.RemoteRewardError, match=match) as error:
+        _fast(url, waits)(_IMAGES, _PROMPTS)
+    assert _requests(url) == 1 and waits == []
+    assert "gave up" not in str(error.value) and url in str(error.value)
+
+
+@pytest.mark.parametrize("retry_after, expected", [
+    ("0.25", 0.25),     # honoured when longer than the backoff
+    ("0.001", 0.01),    # the backoff when shorter
+    ("3600", 0.5),      # capped at max_backoff_seconds
+    ("soon", 0.01),     # unreadable: ignored
+])
+def test_remote_reward_honours_retry_after(server, retry_after, expected):
+    url = _unique(server, "/flaky", fail=1, how=429, retry_after=retry_after)
+    waits = []
+    got = _fast(url, waits, max_backoff_seconds=0.5)(_IMAGES, _PROMPTS)
+    np.testing.assert_allclose(got, _EXPECTED, rtol=1e-6)
+    assert _requests(url) == 2 and waits == [expected]
+
+
+def test_remote_reward_retry_after_dates():
+    assert registry._retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0     # in the past
+    future = email.utils.formatdate(time.time() + 100, usegmt=True)
+    assert 98 <= registry._retry_after(future) <= 100
+    assert registry._retry_after(None) is None and registry._retry_after("never") is None
+
+
+def test_remote_reward_backoff_schedule_and_jitter():
+    exact = registry.RemoteReward("http://127.0.0.1:1/", jitter=0.0)   # the defaults: 1 s, 30 s
+    assert [exact.delay(k) for k in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+    jittered = registry.RemoteReward("http://127.0.0.1:1/", jitter=0.5, backoff_seconds=0.1,
+                                     max_backoff_seconds=10)
+    jittered._random = random.Random(0)
+    delays = [jittered.delay(k) for k in range(1, 6)]
+    bases = [0.1, 0.2, 0.4, 0.8, 1.6]
+    assert all(0.5 * b <= d <= b for d, b in zip(delays, bases, strict=True)), delays
+    assert len({round(d / b, 6) for d, b in zip(delays, bases, strict=True)}) == 5, delays
+
+
+@pytest.mark.parametrize("option, value", [
+    ("retries", -1), ("retries", 2.5), ("retries", "many"), ("backoff_seconds", -0.1),
+    ("max_backoff_seconds", -1), ("max_backoff_seconds", float("inf")), ("jitter", -0.1),
+    ("jitter", 1.5)])
+def test_remote_reward_validates_retry_options(option, value):
+    with pytest.raises(ValueError, match=option):
+        registry.get("remote", "http://127.0.0.1:1/", **{option: value})
+
+
+def test_remote_reward_retry_options_through_the_config(server):
+    import ml_collections
+
+    from g2rpo_jax import config_lib
+    from g2rpo_jax.tasks.flux import RewardModels
+
+    url = _unique(server, "/flaky", fail=1, how=503)
+    config = ml_collections.ConfigDict(dict(reward=dict(root="", models=dict(
+        service=config_lib.reward_model("remote", url, timeout=10.0, retries=2,
+                                        backoff_seconds=0.01, max_backoff_seconds=0.02,
+                                        jitter=0.0),
+        strict=config_lib.reward_model("remote", url, retries=0)))))
+    models = RewardModels(config, mesh=None, rules=None, default_tokenizer=None)
+    service = models.get("service")
+    assert (service.retries, service.backoff_seconds, service.max_backoff_seconds,
+            service.jitter, service.timeout) == (2, 0.01, 0.02, 0.0, 10.0)
+    assert models.get("strict").retries == 0
+    got = models.score(_IMAGES, _PROMPTS, ["service"])["service"]
+    np.testing.assert_allclose(got, _EXPECTED, rtol=1e-6)
+    assert _requests(url) == 2
