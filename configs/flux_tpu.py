@@ -1,19 +1,20 @@
 r"""The paper's setting on a TPU pod: RL fine-tuning of FLUX.1-dev at 720×720 (method.md,
 "Reference setting" and "The update").
 
-  python -m g2rpo_jax.main --config=configs/flux_tpu.py:g2rpo,hps_clip --config.mode=train \
-      --config.paths.root=/mnt/bucket/flux --workdir=/mnt/bucket/runs/g2rpo_hps_clip
+  python -m g2rpo_jax.main --config=configs/flux_tpu.py:g2rpo,hps_clip \
+      --config.paths.root=gs://BUCKET/flux --workdir=gs://BUCKET/runs/g2rpo_hps_clip
 
-Without --config.mode=train it describes the job (parameters and shardings; no weights needed).
+It trains by default; `--config.mode=describe` reports the job instead (parameters and
+shardings; no weights needed), as launch/run.sh does first on every worker.
 The argument is comma-separated words: one algorithm (g2rpo [default], g2rpo_no_mgai, dance_grpo,
 flow_grpo, mix_grpo), one training reward (hps [default]: HPS-v2.1; hps_clip: HPS-v2.1 + CLIP
 score, unit weights) and optionally `lambda12` (G²RPO with the reference scripts' Λ = {1, 2}
 instead of the paper's {1, 2, 3}); e.g. `:dance_grpo,hps_clip` or `:g2rpo,hps,lambda12`.
 
 Paths are fields: they all derive from `paths.root` (a gs:// placeholder), laid out as below;
-override the root, or any single path, on the command line. The weight loaders read local files
-(memory-mapped safetensors), so point them at local disk or a bucket mounted with gcsfuse;
-whether each reader also takes gs:// URLs directly has not been checked.
+override the root, or any single path, on the command line. Every path may be local or gs://
+(g2rpo_jax.storage: weights are downloaded once into a local cache and memory-mapped from
+there; no gcsfuse needed).
   ROOT/FLUX.1-dev/                 diffusers FLUX.1-dev (transformer/, vae/, text_encoder/,
                                    text_encoder_2/, tokenizer/, tokenizer_2/)
   ROOT/rewards/                    HPS_v2.1_compressed.pt, DFN5B-CLIP-ViT-H-14-378/, PickScore_v1/
@@ -120,8 +121,8 @@ def algorithm_config(name: str, options: tuple[str, ...] = ()) -> ml_collections
 def get_config(argument: str = "g2rpo,hps"):
     algorithm, reward, options = parse_argument(argument)
     config = config_lib.flux_config(algorithm)
-    # describe: parameters and shardings, no weights needed; --config.mode=train: the RL job.
-    config.mode = "describe"
+    # The RL job; --config.mode=describe: parameters and shardings, no weights needed.
+    config.mode = "train"
 
     # The transformer: FLUX.1-dev, bf16 compute, fp32 master weights, rematerialised blocks.
     config.model = config_lib.flux_model_config(dtype="bfloat16", param_dtype="float32",

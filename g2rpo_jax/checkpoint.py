@@ -12,13 +12,14 @@ Every step's folder, WORKDIR/checkpoints/<iteration>/, holds three items:
 
 Orbax writes a step into a temporary folder and renames it once every item is complete (on
 object stores: a commit marker), so a save interrupted by a kill is never listed as a step;
-the manager removes such leftovers when it is opened again.
+the manager removes such leftovers when it is opened again. WORKDIR may be a gs:// path
+(g2rpo_jax.storage; Orbax writes the arrays with tensorstore, TENSORSTORE_GCS_HTTP_URL for an
+emulator).
 """
 
 import json
 import logging
 import os
-import shutil
 import uuid
 
 from flax import nnx
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from g2rpo_jax import storage
 from g2rpo_jax.rl import update as update_lib
 
 logger = logging.getLogger(__name__)
@@ -55,19 +57,31 @@ class CheckpointError(ValueError):
 
 
 def ensure_writable(workdir: str) -> str:
-    """Creates `workdir` if needed and proves it writable by writing a probe file; raises a
-    clear error before any compute otherwise."""
+    """Creates `workdir` if needed (local) and proves it writable by writing a probe file (a
+    gs:// workdir: an object), before any compute; raises a clear error otherwise.
+
+    Raises:
+      PermissionError: not writable, or (gs://) the bucket does not exist.
+      ConnectionError: the storage endpoint does not answer (storage.probe).
+    """
+    if not workdir:
+        raise PermissionError("No workdir given: pass --workdir=DIR (a local directory or a "
+                              "gs://bucket/path).")
     try:
-        os.makedirs(workdir, exist_ok=True)
+        storage.makedirs(workdir)
         probe = os.path.join(workdir, f".write-test-{uuid.uuid4().hex}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
+        storage.write_text(probe, "ok")
+        storage.path(probe).unlink()
+    except ConnectionError:
+        raise   # names the endpoint already
+    except (OSError, ValueError) as e:   # gcsfs: FileNotFoundError (no bucket), OSError (403)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip()
+        where = ("a gs://bucket/path in an existing bucket this job may write (its "
+                 "credentials need storage.objects.create and delete there)"
+                 if storage.is_remote(workdir) else "a directory this job can create and write")
         raise PermissionError(
-            f"The workdir {workdir} is not writable ({e.strerror or e}): give --workdir a "
-            "directory this job can create and write (checkpoints, metrics and images go "
-            "there).") from None
+            f"The workdir {workdir} is not writable ({reason}): give --workdir {where} "
+            "(checkpoints, metrics and images go there).") from None
     return workdir
 
 
@@ -78,13 +92,8 @@ def start_over(workdir: str) -> list[str]:
     if jax.process_index() == 0:
         for name in RUN_OUTPUTS:
             path = os.path.join(workdir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-            else:
-                continue
-            removed.append(path)
+            if storage.remove(path):
+                removed.append(path)
         if removed:
             logger.warning("train.start_over: removed the earlier run's %s.", ", ".join(removed))
     if jax.process_count() > 1:
@@ -168,7 +177,7 @@ class RunCheckpoints:
     """
 
     def __init__(self, workdir: str, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
+        self.directory = storage.absolute(os.path.join(workdir, CHECKPOINTS))
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -274,17 +283,25 @@ def _replace(abstract: nnx.State, pure: dict) -> nnx.State:
     return state
 
 
+def _is_step(folder) -> bool:
+    """A complete step: Orbax's metadata, and finalized (renamed; on object stores, which
+    Orbax writes in place, its commit marker)."""
+    return (folder / _STEP_MARKER).exists() and ocp.utils.is_checkpoint_finalized(folder)
+
+
 def find_step(path: str) -> str | None:
     """The step folder of an Orbax checkpoint given as a training workdir, its checkpoints/
-    folder (the latest step) or one step's folder; None if `path` is none of these."""
-    if not os.path.isdir(path):
+    folder (the latest step) or one step's folder (local or gs://); None if `path` is none of
+    these."""
+    folder = storage.path(path)
+    if not folder.is_dir():
         return None
-    if os.path.exists(os.path.join(path, _STEP_MARKER)):
+    if _is_step(folder):
         return path
-    if os.path.isdir(os.path.join(path, CHECKPOINTS)):
-        path = os.path.join(path, CHECKPOINTS)
-    steps = [int(name) for name in os.listdir(path) if name.isdigit()
-             and os.path.exists(os.path.join(path, name, _STEP_MARKER))]
+    if (folder / CHECKPOINTS).is_dir():
+        path, folder = os.path.join(path, CHECKPOINTS), folder / CHECKPOINTS
+    steps = [int(child.name) for child in folder.iterdir() if child.name.isdigit()
+             and _is_step(child)]
     return os.path.join(path, str(max(steps))) if steps else None
 
 

@@ -64,8 +64,9 @@ def base_config() -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict(
         dict(data=-1, fsdp=1, tensor=1, axis_types="auto"))
     config.sharding_rules = [list(rule) for rule in sharding.DEFAULT_RULES]
-    # JAX's persistent compilation cache ("" = off): a resumed or repeated run loads the
-    # compiled programs instead of compiling them again (minutes for FLUX.1-dev on TPU).
+    # JAX's persistent compilation cache ("" = WORKDIR/compilation_cache; local or gs://): a
+    # resumed or repeated run loads the compiled programs instead of compiling them again
+    # (minutes for FLUX.1-dev on TPU).
     config.compilation_cache_dir = ""
     # Multi-process jobs (TPU pods): jax.distributed.initialize(); on TPU the other fields
     # can stay empty (discovered from the environment).

@@ -16,7 +16,6 @@ Writes FILE.json (default: evaluation.json in the training workdir for an Orbax 
 in the current directory) and a grid of the first images beside it (FILE.png).
 """
 
-import json
 import os
 import time
 
@@ -26,7 +25,7 @@ import jax
 import numpy as np
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, evaluation, parallel, tasks
+from g2rpo_jax import config_lib, evaluation, parallel, storage, tasks
 
 _FLAGS = {}
 
@@ -74,7 +73,8 @@ def format_table(report: dict, label: str) -> str:
 def _default_output(checkpoint: str, step_dir: str | None) -> str:
     if step_dir is None:
         return os.path.abspath("evaluation.json")
-    workdir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
+    step_dir = storage.absolute(step_dir).rstrip("/")
+    workdir = os.path.dirname(os.path.dirname(step_dir))
     return os.path.join(workdir, f"evaluation-{os.path.basename(step_dir)}.json")
 
 
@@ -85,7 +85,7 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
     step_dir = checkpoint_lib.find_step(checkpoint)
     config = config.copy_and_resolve_references()
     if step_dir is None:
-        if not os.path.exists(checkpoint) and "://" not in checkpoint:
+        if not storage.path(checkpoint).exists():
             raise FileNotFoundError(f"No checkpoint at {checkpoint}: give a pretrained "
                                     "transformer or an Orbax checkpoint written by mode=train.")
         config.model.checkpoint = checkpoint
@@ -101,17 +101,15 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
         params = checkpoint_lib.restore_params(step_dir, abstract, shardings)
     per_image = evaluator.per_image_scores(params)
     trained_on = tuple(task.reward_names)
-    report = dict(summarize(per_image, trained_on), checkpoint=os.path.abspath(step_dir or
-                                                                               checkpoint),
+    report = dict(summarize(per_image, trained_on), checkpoint=storage.absolute(step_dir or
+                                                                                checkpoint),
                   trained_on=list(trained_on), prompts=len(evaluator.prompts),
                   samples_per_prompt=evaluator.samples, seed=config.evaluation.seed,
                   num_steps=config.sampling.num_steps,
                   seconds=round(time.perf_counter() - start, 2))
     output = output or _default_output(checkpoint, step_dir)
     if jax.process_index() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w") as f:
-            json.dump(report, f, indent=2)
+        storage.write_json(output, report)
         count = min(16, len(evaluator.prompts))
         evaluation.save_grid(os.path.splitext(output)[0] + ".png",
                              evaluator.last_images[:count, 0], evaluator.prompts[:count])

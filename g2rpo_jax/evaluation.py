@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from g2rpo_jax import parallel, storage
 from g2rpo_jax.data import world
 from g2rpo_jax.rewards import verifier
 from g2rpo_jax.sampling import rollout, schedules
@@ -82,20 +83,26 @@ class Evaluator:
             if unknown:
                 raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
             judge = judge_fn(config, self.prompts) if "out_of_domain" in scorers else None
-            self.score_fn = lambda images, prompts: score_images(images, prompts, self.scorers,
-                                                                 judge)
+            index = {prompt: i for i, prompt in enumerate(self.prompts)}   # the judge's ids
+            self.score_fn = lambda images, prompts: score_images(
+                images, prompts, self.scorers, judge, [index[p] for p in prompts])
         else:
             self.score_fn = score_fn
         batch_devices = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         # Pad the prompt batch to split evenly over the batch axes; padding rows are dropped.
         padded = -len(self.prompts) % batch_devices
         self._padded_prompts = self.prompts + self.prompts[:1] * padded
+        self._rows = parallel.host_row_indices(mesh, len(self._padded_prompts))
         self.samples = config.evaluation.samples_per_prompt
         self.sigmas = sigmas_from_config(config)
         self.guidance = config.sampling.guidance
+        # The images kept for grids (last_images): the first prompts, every sample.
+        grid = (config.get("train") or {}).get("images_in_grid", 16)
+        self.kept = min(len(self.prompts), max(16, grid))
         n, c = gen.latent_shape
-        self.noise = jax.random.normal(jax.random.key(config.evaluation.seed),
-                                       (len(self._padded_prompts), self.samples, n, c))
+        noise = np.asarray(jax.random.normal(jax.random.key(config.evaluation.seed),
+                                             (len(self._padded_prompts), self.samples, n, c)))
+        self.noise = parallel.put_global(noise, parallel.batch_sharding(mesh, noise.shape))
         self.graphdef = nnx.graphdef(gen.flux)
         self._fixed_cond = cond is not None
         self.cond = None
@@ -110,32 +117,62 @@ class Evaluator:
                                   self.guidance)
         self._sample = sample
 
-    def images(self, params, text_encoder=None) -> np.ndarray:
-        """[P, M, H, W, 3] float images in [0, 1] (text_encoder: re-encode the prompts, as in
-        pre-training where the encoder changes; otherwise encoded once)."""
+    def _host_images(self, params, text_encoder=None) -> np.ndarray:
+        """This process's rows of the padded prompts as images [R, M, H, W, 3] in [0, 1]
+        (`text_encoder`: re-encode the prompts, as in pre-training where the encoder changes;
+        otherwise encoded once)."""
         if text_encoder is not None and self._fixed_cond:
             raise ValueError("This evaluator's conditioning is precomputed; it cannot re-encode "
                              "the prompts with a text encoder.")
         if text_encoder is not None or self.cond is None:
             if text_encoder is not None:
                 self.gen.text_encoder = text_encoder
-            self.cond = self.gen.encode(self._padded_prompts, self.mesh)
+            self.cond = rollout.place_cond(self.gen.encode(self._padded_prompts), self.mesh)
         with jax.set_mesh(self.mesh):
             latents = self._sample(params, self.cond, self.noise)
-        return np.asarray(self.gen.decode(latents))[:len(self.prompts)]
+        return np.asarray(self.gen.decode(parallel.local_rows(latents, self.mesh)))
+
+    def images(self, params, text_encoder=None) -> np.ndarray:
+        """[P, M, H, W, 3] float images in [0, 1], all prompts on every process."""
+        images = parallel.gather_rows(self._host_images(params, text_encoder), self.mesh,
+                                      len(self._padded_prompts))
+        return images[:len(self.prompts)]
 
     def per_image_scores(self, params, text_encoder=None) -> dict[str, np.ndarray]:
-        """{name: float32 [P, M]} of fresh samples (kept as last_images / last_scores)."""
-        images = self.images(params, text_encoder)
-        self.last_images = images
-        scores = self.score_fn(images, self.prompts)
-        self.last_scores = {name: np.asarray(scores[name], np.float32) for name in self.scorers}
+        """{name: float32 [P, M]} of fresh samples (kept as last_scores; the first prompts'
+        images as last_images [K, M, H, W, 3]). Each process decodes and scores its own rows."""
+        images = self._host_images(params, text_encoder)
+        scores = self.score_fn(images, [self._padded_prompts[i] for i in self._rows])
+        rows = len(self._padded_prompts)
+        self.last_scores = {name: parallel.gather_rows(np.asarray(scores[name], np.float32),
+                                                       self.mesh, rows)[:len(self.prompts)]
+                            for name in self.scorers}
+        self.last_images = _first_rows(images, self._rows, self.kept, self.mesh, rows)
         return self.last_scores
 
     def scores(self, params, text_encoder=None) -> dict[str, float]:
         """Mean of each score over prompts and samples, in `scorers` order."""
         per_image = self.per_image_scores(params, text_encoder)
         return {name: float(values.mean()) for name, values in per_image.items()}
+
+
+def _first_rows(local: np.ndarray, rows: np.ndarray, count: int, mesh, total: int
+                ) -> np.ndarray:
+    """Rows [0, count) of a batch from every process's rows (`local` [R, ...] at `rows`):
+    only those rows cross hosts, not the whole batch."""
+    if jax.process_count() == 1:
+        return local[np.argsort(rows)][:count]
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros((count, *local.shape[1:]), local.dtype)
+    wanted = rows < count
+    mine[rows[wanted]] = local[wanted]
+    gathered = np.asarray(multihost_utils.process_allgather(mine))     # [H, count, ...]
+    out = np.empty_like(mine)
+    for process, owned in enumerate(parallel.process_row_indices(mesh, total)):
+        kept = owned[owned < count]
+        out[kept] = gathered[process][kept]
+    return out
 
 
 def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],
@@ -188,5 +225,6 @@ def save_grid(path: str, images: np.ndarray, captions: Sequence[str], columns: i
                 lines.append("")
             lines[-1] = f"{lines[-1]} {word}".strip()
         draw.text((x + 4, y + cell_h - 2), "\n".join(lines[:2]), fill=(220, 220, 220))
-    canvas.save(path)
+    with storage.open_atomic(path) as f:
+        canvas.save(f, format="PNG")
     return path

@@ -14,7 +14,6 @@ what runs:
 Held-out evaluation of a checkpoint: python -m g2rpo_jax.evaluate (g2rpo_jax/evaluate.py).
 """
 
-import json
 import os
 import time
 
@@ -23,7 +22,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from g2rpo_jax import checkpoint, config_lib, parallel
+from g2rpo_jax import checkpoint, config_lib, parallel, storage
 from g2rpo_jax.models import flux
 
 _CONFIG = config_lib.define_config_flag()
@@ -34,7 +33,8 @@ def _build_model(config, mesh, rules) -> flux.Flux:
     """From the checkpoint if the config names one (straight into shardings), else random."""
     if config.model.checkpoint:
         execution = config_lib.execution_fields(config.model)
-        return flux.from_pretrained(config.model.checkpoint, mesh=mesh, rules=rules, **execution)
+        return flux.from_pretrained(storage.local(config.model.checkpoint, parts=("transformer",)),
+                                    mesh=mesh, rules=rules, **execution)
     return flux.init_sharded(config_lib.to_flux_config(config.model), mesh, config.seed, rules)
 
 
@@ -56,6 +56,13 @@ def _dummy_batch(cfg: flux.FluxConfig, batch: int, image_tokens: int, text_token
     arrays = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.shape, rules))
               for k, v in arrays.items()}
     return dict(arrays, img_ids=img_ids, txt_ids=jnp.zeros((text_tokens, 3), jnp.float32))
+
+
+def compilation_cache_dir(config, workdir: str) -> str:
+    """JAX's persistent compilation cache: config.compilation_cache_dir, else WORKDIR/
+    compilation_cache (local or gs://, like the workdir)."""
+    return config.get("compilation_cache_dir") or os.path.join(storage.absolute(workdir),
+                                                               "compilation_cache")
 
 
 def describe(config, workdir: str, mesh, rules) -> dict:
@@ -114,8 +121,7 @@ def describe(config, workdir: str, mesh, rules) -> dict:
                      batch_size, config.describe.image_tokens, config.describe.text_tokens,
                      report["compile_s"], report["forward_s"], len(times))
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "describe.json"), "w") as f:
-            json.dump(report, f, indent=2)
+        storage.write_json(os.path.join(workdir, "describe.json"), report)
     return report
 
 
@@ -135,11 +141,13 @@ MODES = {"describe": describe, "pretrain": pretrain, "train": train}
 
 
 def _quiet_library_logs() -> None:
-    """Orbax logs every step of a checkpoint write at INFO; keep its warnings, drop the rest."""
+    """Orbax logs every step of a checkpoint write at INFO, gcsfs every file it opens; keep
+    their warnings, drop the rest."""
     import logging as std_logging
 
     def keep(record) -> bool:
-        return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+        return record.levelno >= std_logging.WARNING or not any(
+            name in record.pathname for name in ("orbax", "gcsfs", "fsspec"))
 
     logging.get_absl_handler().addFilter(keep)
 
@@ -151,9 +159,11 @@ def main(argv):
     config = _CONFIG.value
     if config.mode not in MODES:
         raise app.UsageError(f"Unknown mode {config.mode!r}; choose one of {sorted(MODES)}.")
-    if config.get("compilation_cache_dir"):
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    # Before anything compiles: a restarted job (a preempted slice) loads its programs from
+    # here instead of compiling them again.
+    jax.config.update("jax_compilation_cache_dir", compilation_cache_dir(config, _WORKDIR.value))
     parallel.initialize_distributed(config.distributed)
+    parallel.check_same_config(config)
     workdir = checkpoint.ensure_writable(_WORKDIR.value)
     mesh = parallel.mesh_from_config(config.mesh)
     rules = parallel.rules_from_config(config.sharding_rules)

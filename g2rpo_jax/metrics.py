@@ -3,6 +3,12 @@
 Only process 0 writes. Each `write(step, scalars)` appends one JSON line
 {"step": n, "time": seconds since start, name: value, ...} to DIR/metrics.jsonl and the same
 scalars to TensorBoard (DIR/tensorboard, via tensorboardX: no TensorFlow needed).
+
+A DIR on an object store (gs://): objects cannot be appended to, so both logs are written to a
+local staging folder (metrics.jsonl continued from the bucket's copy) and each file is uploaded
+whole after every `write` (an upload replaces the object atomically), so the bucket always holds
+every row written. tensorboardX's own gs:// writer is not used: it would be a second GCS client
+(google-cloud-storage, its own credentials and retries) beside epath's.
 """
 
 from collections.abc import Mapping, Sequence
@@ -10,10 +16,14 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 
 import jax
 import numpy as np
+
+from g2rpo_jax import storage
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +46,23 @@ class MetricsLogger:
         self.start = time.perf_counter() - elapsed
         self.rows = keep_rows or 0
         self._file = self._writer = None
+        self._workdir, self._staging = workdir, None
         if self.active:
             from tensorboardX import SummaryWriter  # heavy import, only where it writes
 
-            os.makedirs(workdir, exist_ok=True)
+            storage.makedirs(workdir)
             if keep_rows is not None:
                 truncate_jsonl(self.path, keep_rows)
-            self._file = open(self.path, "a")
-            self._writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                         purge_step=purge_step)
+            local_dir = workdir
+            if storage.is_remote(workdir):
+                local_dir = self._staging = tempfile.mkdtemp(prefix="g2rpo_jax_logs_")
+                remote = storage.path(self.path)
+                if remote.exists():
+                    remote.copy(os.path.join(local_dir, filename))
+            self._local_path = os.path.join(local_dir, filename)
+            self._file = open(self._local_path, "a")
+            self._events = os.path.join(local_dir, "tensorboard")
+            self._writer = SummaryWriter(self._events, purge_step=purge_step)
 
     @property
     def elapsed(self) -> float:
@@ -63,23 +81,37 @@ class MetricsLogger:
             if math.isfinite(value):
                 self._writer.add_scalar(name, value, int(step))
         self._writer.flush()
+        self._upload()
+
+    def _upload(self) -> None:
+        """A remote workdir: the staged files, each uploaded whole (see the module docstring)."""
+        if self._staging is None:
+            return
+        storage.put(self._local_path, self.path)
+        for name in sorted(os.listdir(self._events)):
+            storage.put(os.path.join(self._events, name),
+                        os.path.join(self._workdir, "tensorboard", name))
 
     def close(self) -> None:
         if self.active:
             self._file.close()
             self._writer.close()
+            self._upload()
+            if self._staging is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
+                self._staging = None
 
 
 def truncate_jsonl(path: str, rows: int) -> int:
     """Keeps the first `rows` lines of a JSONL file (atomically: a new file renamed over it);
     returns how many lines were dropped. Fewer lines than `rows` is reported, not invented."""
-    if not os.path.exists(path):
+    if not storage.path(path).exists():
         if rows:
             logger.warning("%s is missing; the %d rows before the checkpoint are lost.", path,
                            rows)
         return 0
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
+    lines = [line for line in storage.path(path).read_text().splitlines(keepends=True)
+             if line.strip()]
     if len(lines) < rows:
         logger.warning("%s has %d rows but the checkpoint had seen %d; the missing rows are "
                        "lost.", path, len(lines), rows)
@@ -87,16 +119,13 @@ def truncate_jsonl(path: str, rows: int) -> int:
     if dropped:
         logger.warning("%s: %d row(s) written after the checkpoint are superseded.", path,
                        dropped)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(lines[:rows])
-        os.replace(tmp, path)
+        storage.write_text(path, "".join(lines[:rows]))
     return dropped
 
 
 def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in storage.path(path).read_text().splitlines()
+            if line.strip()]
 
 
 def series(rows: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -130,6 +159,7 @@ def plot_curves(rows: Sequence[dict], panels: Mapping[str, Sequence[str]], path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with storage.open_atomic(path) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path

@@ -18,7 +18,7 @@ import time
 
 from absl import app, flags, logging
 
-from g2rpo_jax import config_lib, parallel
+from g2rpo_jax import config_lib, parallel, storage
 from g2rpo_jax.data import prompt_embeddings
 
 _FLAGS = {}
@@ -38,6 +38,14 @@ def transformer_dims(checkpoint: str) -> tuple[int, int] | None:
         return None
     from g2rpo_jax.models import flux
 
+    if storage.is_remote(checkpoint):
+        # A diffusers folder's config.json is read in place: the weights are not needed here.
+        checkpoint = checkpoint.rstrip("/")
+        for config_file in (f"{checkpoint}/transformer/config.json", f"{checkpoint}/config.json"):
+            if storage.path(config_file).exists():
+                cfg = flux.FluxConfig.from_dict(json.loads(storage.path(config_file).read_text()))
+                return cfg.joint_attention_dim, cfg.pooled_projection_dim
+        checkpoint = storage.local(checkpoint)   # a BFL single file
     cfg = flux.load_config(checkpoint)
     return cfg.joint_attention_dim, cfg.pooled_projection_dim
 
@@ -62,7 +70,8 @@ def preprocess(config) -> dict[str, str]:
     first = specs["train"]
     # Loaded once, only if some chunk is left to encode, and shared by both datasets.
     load_encoders = functools.cache(lambda: prompt_embeddings.TextEncoders(
-        first.encoders, first.t5_max_length, first.clip_max_length, first.encoder_dtype))
+        prompt_embeddings.local_encoders(first.encoders), first.t5_max_length,
+        first.clip_max_length, first.encoder_dtype))
     return {role: prompt_embeddings.prepare(
         spec, config.data.data_dir or None, config.data.chunk_size, config.data.keep_chunks,
         load_encoders=load_encoders, validate_dims=check) for role, spec in specs.items()}

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 import tqdm
 
-from g2rpo_jax import evaluation, generator, parallel
+from g2rpo_jax import evaluation, generator, parallel, storage
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.rl import update as update_lib
 
@@ -98,8 +98,8 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
         gen = generator.build_generator(config, mesh, config.seed, rules)
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
     train_source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
-    per_host = settings.batch_size // jax.process_count()
-    reader = shapes_tfds.Reader(train_source, per_host, seed=config.seed)
+    reader = shapes_tfds.Reader(train_source, settings.batch_size, seed=config.seed,
+                                rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
     held_out = evaluation.held_out_prompts(config)
 
     optimizer = update_lib.make_optimizer(config.optimizer)
@@ -142,9 +142,8 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
         for step in bar:
             batch = next(reader)
             ids, mask = gen.tokenize(batch["prompt"])
-            arrays = [jax.make_array_from_process_local_data(
-                parallel.batch_sharding(mesh, (settings.batch_size, *a.shape[1:]), rules), a)
-                for a in (batch["image"], ids, mask)]
+            arrays = [parallel.from_local_rows(a, mesh, settings.batch_size, rules=rules)
+                      for a in (batch["image"], ids, mask)]
             params, opt_state, ema, loss = step_fn(params, opt_state, ema, *arrays,
                                                    jax.random.fold_in(key, step), step)
             if step % settings.log_every == 0 or step == settings.num_steps - 1:
@@ -169,7 +168,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     if jax.process_index() == 0:
         path = generator.save_generator(os.path.join(workdir, "generator.safetensors"), gen,
                                         {"pretrain": report})
-        with open(os.path.join(workdir, "pretrain.json"), "w") as f:
+        with storage.open_atomic(os.path.join(workdir, "pretrain.json"), "w") as f:
             json.dump(report, f, indent=2)
         logging.info("Wrote %s; held-out scores %s after %.0f s.", path, scores, seconds)
     logger.close()

@@ -22,19 +22,17 @@ Outputs in DIR:
 """
 
 import contextlib
-import json
 import os
 import time
 
 from absl import logging
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import evaluation, preemption, tasks
+from g2rpo_jax import evaluation, parallel, preemption, storage, tasks
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import update as update_lib
@@ -90,8 +88,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         update_lib.abstract_state(params, optimizer, keep_reference, mesh), config)
     if restored is None:
         state = update_lib.init_state(params, optimizer, keep_reference, mesh)
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        key, loop = jax.device_put(jax.random.key(config.seed), replicated), _fresh_loop_state()
+        key, loop = parallel.replicated(jax.random.key(config.seed), mesh), _fresh_loop_state()
     else:
         start_iteration, state, key, loop = restored
         del params   # the restored parameters replace the starting point's
@@ -115,7 +112,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"])
     cleanup.callback(logger.close)
     images_dir = os.path.join(workdir, "images")
-    os.makedirs(images_dir, exist_ok=True)
+    storage.makedirs(images_dir)
     evaluator = task.evaluator
     grid_count = min(settings.images_in_grid, len(evaluator.prompts)) if evaluator else 0
 
@@ -160,7 +157,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         with jax.set_mesh(mesh):
             finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
             scores = task.rewards(finals, batch)
-            train_batch, stats = finish_fn(jnp.asarray(scores), carry)
+            train_batch, stats = finish_fn(parallel.replicated(scores, mesh), carry)
             if compiled_update is None:
                 compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
             state, metrics = compiled_update(state, train_batch, cond)
@@ -238,8 +235,7 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
         metrics_lib.plot_curves(rows, {k: v for k, v in panels.items() if v},
                                 os.path.join(workdir, "reward_curves.png"),
                                 title=f"{config.algorithm.name}, seed {config.seed}")
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(report, f, indent=2)
+        storage.write_json(os.path.join(workdir, "summary.json"), report)
         print_summary(report)
     return report
 

@@ -4,8 +4,10 @@ checkpoint step read back as numpy for bit-for-bit comparisons."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from g2rpo_jax import checkpoint
@@ -29,6 +31,44 @@ def run_main(flags: list[str], *, kill_at_commit: int | None = None, devices: in
                    f"--kill_at_commit={kill_at_commit}", "--", *flags]
     return subprocess.run(command, cwd=ROOT, env=environment(devices), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(flags: list[str], processes: int = 2, devices: int = 1,
+                  extra: dict[int, list[str]] | None = None,
+                  timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """`python -m g2rpo_jax.main FLAGS` as one JAX job of `processes` processes on this
+    machine (`devices` CPU devices each), joined through jax.distributed on a free port;
+    `extra[i]`: flags for process i only."""
+    port = free_port()
+    logs, procs = [], []
+    for i in range(processes):
+        command = [sys.executable, "-m", "g2rpo_jax.main", *flags,
+                   "--config.distributed.enabled=True",
+                   f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                   f"--config.distributed.num_processes={processes}",
+                   f"--config.distributed.process_id={i}", *(extra or {}).get(i, [])]
+        logs.append(tempfile.TemporaryFile("w+"))
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=environment(devices),
+                                      stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc, log in zip(procs, logs):
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            proc.wait()
+        log.seek(0)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, log.read(), ""))
+        log.close()
+    return results
 
 
 def start_main(flags: list[str], log_path: str, devices: int = 2) -> subprocess.Popen:

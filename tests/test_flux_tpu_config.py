@@ -108,6 +108,7 @@ def test_baselines_keep_their_own_settings():
 def test_defaults_and_paths():
     config = load()
     assert config.algorithm.name == "g2rpo" and list(config.reward.train) == ["hps"]
+    assert config.mode == "train"   # the pod command trains; describe is asked for
     # Every path derives from paths.root and follows an override of it.
     config.paths.root = "gs://bucket/flux"
     assert config.model.checkpoint == "gs://bucket/flux/FLUX.1-dev"
@@ -131,7 +132,7 @@ def test_describe_runs_on_this_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
     result = subprocess.run(
         [sys.executable, "-m", "g2rpo_jax.main", "--config=configs/flux_tpu.py:g2rpo,hps_clip",
-         f"--workdir={tmp_path}", "--config.describe.forward=False"],
+         f"--workdir={tmp_path}", "--config.mode=describe", "--config.describe.forward=False"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "describe.json").read_text())

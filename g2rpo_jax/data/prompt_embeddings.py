@@ -22,13 +22,18 @@ a given chunk size and device layout (fixed chunk shapes, one program), and reco
 serialized with sorted fields. Another device layout may change the last bits of a few values
 (measured on the tiny fixture, 8 vs 1 CPU devices: ≤ 1.6e-6 absolute).
 
+Every path may be a gs:// URL (g2rpo_jax.storage). With a gs:// data_dir the chunks are objects
+there, process 0 assembles the dataset in the download cache (`storage.mirror`) and uploads it,
+`dataset_info.json` last (so a dataset cut short is never taken as complete), and readers use
+their local copy (`storage.local`); gs:// encoders are downloaded once into that cache.
+
 Where: `{data_dir}/prompt_embeddings/{name}/1.0.0/` (`dataset_dir`); a dataset's metadata holds
 a fingerprint of its prompts, settings and encoder files, and preparing another prompts file or
 other settings under the same name is an error (not a silent rebuild). Reading:
 
   source = load(dataset_dir(data_dir, name))      # random access, TensorFlow never imported
   source.metadata                                 # t5_dim, clip_dim, t5_max_length, ...
-  reader = reader.Reader(source, per_host_batch, seed)   # {"prompt", "index", "t5", ...}
+  reader = reader.Reader(source, global_batch, seed, rows=host_rows)   # {"prompt", "t5", ...}
 """
 
 from collections.abc import Sequence
@@ -38,6 +43,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 
 from absl import logging
@@ -48,12 +54,17 @@ import tensorflow_datasets as tfds
 from tensorflow_datasets.core import example_serializer
 import tqdm
 
+from g2rpo_jax import storage
+
 BUILDER_NAME = "prompt_embeddings"
 VERSION = "1.0.0"
 SPLIT = "prompts"
 STORAGE_DTYPES = ("float32", "bfloat16")
 FEATURES = ("prompt", "index", "t5", "clip_pooled")
 _ENCODER_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+# A dataset's files that mark it complete, uploaded after its records (dataset_info.json last:
+# readers check for it).
+_COMPLETE_LAST = ("features.json", "metadata.json", "dataset_info.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,11 +83,10 @@ def read_prompts(path: str, max_prompts: int = 0) -> list[str]:
         raise FileNotFoundError("No prompts file given: set config.data.prompts_file (and "
                                 "config.data.eval_prompts_file for evaluation) to a text file "
                                 "with one prompt per line.")
-    if not os.path.isfile(path):
+    if not storage.path(path).is_file():
         raise FileNotFoundError(f"No prompts file at {path}: set config.data.prompts_file / "
                                 "eval_prompts_file to a text file with one prompt per line.")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = storage.path(path).read_text(encoding="utf-8")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final newline ends the last line; it does not start an empty one
@@ -165,10 +175,18 @@ def specs_from_config(config) -> dict[str, EmbeddingSpec]:
     return specs
 
 
+def local_encoders(folder: str) -> str:
+    """The encoders folder, checked, as a local path (a gs:// folder: its four encoder
+    subfolders downloaded once, `storage.local`)."""
+    _check_encoders(folder)
+    return storage.local(folder, parts=_ENCODER_FOLDERS)
+
+
 def _check_encoders(folder: str) -> None:
-    missing = [sub for sub in _ENCODER_FOLDERS if not os.path.isdir(os.path.join(folder, sub))]
-    if not os.path.isdir(folder) or missing:
-        what = "does not exist" if not os.path.isdir(folder) else f"has no {missing}"
+    root = storage.path(folder)
+    missing = [sub for sub in _ENCODER_FOLDERS if not root.joinpath(sub).is_dir()]
+    if missing:
+        what = "does not exist" if not root.is_dir() else f"has no {missing}"
         raise FileNotFoundError(
             f"The text-encoder folder {folder} {what}: give FLUX.1-dev's folder (with "
             f"{', '.join(f'{s}/' for s in _ENCODER_FOLDERS)}) as config.text.path or "
@@ -342,9 +360,9 @@ def encode_chunks(prompts: Sequence[str], encode, chunk_dir: str, chunk_size: in
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1; got {chunk_size} "
                          "(config.data.chunk_size).")
-    os.makedirs(chunk_dir, exist_ok=True)
+    storage.makedirs(chunk_dir)
     mine = range(process_index, num_chunks(len(prompts), chunk_size), process_count)
-    todo = [c for c in mine if not os.path.exists(chunk_path(chunk_dir, c))]
+    todo = [c for c in mine if not storage.path(chunk_path(chunk_dir, c)).exists()]
     done = len(mine) - len(todo)
     bar = tqdm.tqdm(total=sum(len(prompts[c * chunk_size:(c + 1) * chunk_size]) for c in mine),
                     initial=min(done * chunk_size, len(prompts)), unit="prompt",
@@ -353,12 +371,10 @@ def encode_chunks(prompts: Sequence[str], encode, chunk_dir: str, chunk_size: in
     for chunk in todo:
         lines = prompts[chunk * chunk_size:(chunk + 1) * chunk_size]
         t5_states, pooled = encode(lines)
-        path = chunk_path(chunk_dir, chunk)
-        temporary = f"{path}.tmp{os.getpid()}"
-        with open(temporary, "wb") as f:
+        # A chunk file exists only once it is complete (a rename, or one uploaded object).
+        with storage.open_atomic(chunk_path(chunk_dir, chunk)) as f:
             np.savez(f, t5=to_storage(t5_states, storage_dtype),
                      clip_pooled=to_storage(pooled, storage_dtype))
-        os.replace(temporary, path)   # a chunk file exists only once it is complete
         bar.update(len(lines))
     bar.close()
     return todo
@@ -449,11 +465,10 @@ def _barrier(name: str, process_count: int) -> None:
 
 
 def _existing_fingerprint(directory: str) -> str | None:
-    path = os.path.join(directory, "metadata.json")
-    if not os.path.exists(path):
+    path = storage.path(os.path.join(directory, "metadata.json"))
+    if not path.exists():
         return None
-    with open(path) as f:
-        return json.load(f).get("fingerprint")
+    return json.loads(path.read_text()).get("fingerprint")
 
 
 def prepare(spec: EmbeddingSpec, data_dir: str | None = None, chunk_size: int = 256,
@@ -481,7 +496,8 @@ def prepare(spec: EmbeddingSpec, data_dir: str | None = None, chunk_size: int = 
     h = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
     prompts = read_prompts(spec.prompts_file, spec.max_prompts)
-    identity = encoder_identity(spec.encoders)
+    encoders_dir = local_encoders(spec.encoders)
+    identity = encoder_identity(encoders_dir)
     digest = fingerprint(spec, prompts, identity)
     target = dataset_dir(data_dir, spec.name)
     found = _existing_fingerprint(target)
@@ -497,28 +513,37 @@ def prepare(spec: EmbeddingSpec, data_dir: str | None = None, chunk_size: int = 
     chunk_dir = os.path.join(data_dir, f"{BUILDER_NAME}_chunks",
                              f"{spec.name}-{digest[:16]}-c{chunk_size}")
     # Checked from the config files, before minutes of loading T5-XXL.
-    dims = _config_dims(spec.encoders)
+    dims = _config_dims(encoders_dir)
     if validate_dims is not None:
         validate_dims(*dims)
     total = num_chunks(len(prompts), chunk_size)
-    left = [c for c in range(h, total, count) if not os.path.exists(chunk_path(chunk_dir, c))]
+    left = [c for c in range(h, total, count)
+            if not storage.path(chunk_path(chunk_dir, c)).exists()]
     encoders = None
     if left:
         encoders = (load_encoders() if load_encoders is not None else TextEncoders(
-            spec.encoders, spec.t5_max_length, spec.clip_max_length, spec.encoder_dtype))
+            encoders_dir, spec.t5_max_length, spec.clip_max_length, spec.encoder_dtype))
     encode_chunks(prompts, encoders.encode if encoders else None, chunk_dir, chunk_size,
                   spec.storage_dtype, h, count, progress=progress and h == 0)
     _barrier(f"prompt_embeddings encoded {spec.name}", count)
     if h == 0:
         metadata = dict(dataclasses.asdict(spec), fingerprint=digest, num_prompts=len(prompts),
                         t5_dim=dims[0], clip_dim=dims[1])
-        builder = PromptEmbeddings(config=_BuilderConfig(spec.name, prompts, chunk_dir,
-                                                         chunk_size, metadata),
-                                   data_dir=data_dir)
+        build_dir = storage.mirror(data_dir)
+        if storage.is_remote(data_dir):   # built afresh in the cache, then uploaded
+            shutil.rmtree(storage.mirror(target), ignore_errors=True)
+        builder = PromptEmbeddings(config=_BuilderConfig(spec.name, prompts,
+                                                         storage.local(chunk_dir), chunk_size,
+                                                         metadata),
+                                   data_dir=build_dir)
         with _deterministic_serialization():
             builder.download_and_prepare(file_format="array_record")
+        if storage.is_remote(data_dir):
+            storage.upload_tree(storage.mirror(target), target, last=_COMPLETE_LAST)
         if not keep_chunks:
-            _remove_chunks(chunk_dir)
+            storage.remove(chunk_dir)
+            if storage.is_remote(chunk_dir):
+                shutil.rmtree(storage.mirror(chunk_dir), ignore_errors=True)
     _barrier(f"prompt_embeddings assembled {spec.name}", count)
     logging.info("Prompt embeddings: %d prompts of %s → %s in %.1f s.", len(prompts),
                  spec.prompts_file, target, time.perf_counter() - start)
@@ -534,12 +559,6 @@ def _config_dims(folder: str) -> tuple[int, int]:
     return t5_dim, values.get("hidden_size") or values["text_config"]["hidden_size"]
 
 
-def _remove_chunks(chunk_dir: str) -> None:
-    for name in os.listdir(chunk_dir):
-        os.remove(os.path.join(chunk_dir, name))
-    os.rmdir(chunk_dir)
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading.
 
@@ -549,13 +568,13 @@ class EmbeddingSource:
     "t5": [L, D], "clip_pooled": [Dy]} in float32 or bfloat16 (the storage dtype)."""
 
     def __init__(self, directory: str):
-        if not os.path.exists(os.path.join(directory, "dataset_info.json")):
+        if not storage.path(os.path.join(directory, "dataset_info.json")).exists():
             raise FileNotFoundError(
                 f"No prepared prompt embeddings at {directory}. Make them with: python -m "
                 "g2rpo_jax.preprocess --config=<the same config and overrides> (it reads "
                 "config.data.prompts_file / eval_prompts_file and writes under "
                 "config.data.data_dir).")
-        builder = tfds.builder_from_directory(directory)
+        builder = tfds.builder_from_directory(storage.local(directory))
         self.directory = directory
         self.metadata = dict(builder.info.metadata or {})
         self._source = builder.as_data_source(split=SPLIT)
@@ -590,6 +609,7 @@ def records_digest(directory: str) -> str:
     from array_record.python import array_record_module
 
     digest = hashlib.sha256()
+    directory = storage.local(directory)
     files = sorted(f for f in os.listdir(directory) if ".array_record" in f)
     if not files:
         raise FileNotFoundError(f"No ArrayRecord files in {directory}.")

@@ -1,18 +1,19 @@
 """Per-host batches of a random-access dataset (a TFDS `as_data_source` split, or any sequence
 of records), shared by the shapes world and the FLUX prompt-embedding datasets.
 
-  reader = Reader(source, batch_size=per_host_batch, seed=0)
-  batch = next(reader)    # {feature: [B, ...] array, or [B] str for text features}
+  reader = Reader(source, batch_size=global_batch, seed=0,
+                  rows=parallel.host_row_indices(mesh, global_batch))
+  batch = next(reader)    # {feature: [R, ...] array, or [R] str for text features}
 
-Every epoch is one permutation of the records, the same on all hosts (seeded by (seed, epoch));
-host h takes its records h, h + H, h + 2H, ..., so the hosts' batches are disjoint and together
-cover the epoch once. `state()` / `restore()` give and take the position (epoch, batch), which
+Every epoch is one permutation of the records, the same on all hosts (seeded by (seed, epoch)),
+cut into global batches of `batch_size`; a host reads only its `rows` of each (the rows of the
+batch that lie on its devices), so the hosts together read every batch once and the batch does
+not depend on the number of hosts. `state()` / `restore()` give and take the position (epoch, batch), which
 the RL checkpoints hold.
 """
 
 from collections.abc import Iterator
 
-import jax
 import numpy as np
 
 
@@ -34,37 +35,42 @@ def stack_records(records) -> dict:
 
 
 class Reader(Iterator):
-    """Endless per-host batches of a source, reshuffled every epoch; a batch never spans two
-    epochs (the epoch's tail that does not fill a whole global batch is dropped, so every host
-    sees the same number of batches)."""
+    """Endless batches of a source (this host's rows of each global batch), reshuffled every
+    epoch; a batch never spans two epochs (the epoch's tail that does not fill a whole global
+    batch is dropped).
 
-    def __init__(self, source, batch_size: int, seed: int = 0,
-                 process_index: int | None = None, process_count: int | None = None):
+    Args:
+      source: a random-access sequence of records.
+      batch_size: the global batch size B (all hosts together).
+      seed: the shuffling seed.
+      rows: the rows of each batch this host reads ([R] indices in [0, B)); default all.
+    """
+
+    def __init__(self, source, batch_size: int, seed: int = 0, rows=None):
         self.source = source
         self.batch_size = batch_size
         self.seed = seed
-        self.process_index = jax.process_index() if process_index is None else process_index
-        self.process_count = jax.process_count() if process_count is None else process_count
-        global_batch = batch_size * self.process_count
         if batch_size < 1:
-            raise ValueError(f"The per-host batch size must be at least 1; got {batch_size}.")
+            raise ValueError(f"The batch size must be at least 1; got {batch_size}.")
+        self.rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
+        if len(self.rows) == 0 or self.rows.min() < 0 or self.rows.max() >= batch_size:
+            raise ValueError(f"This host's rows {self.rows.tolist()} are not rows of a batch of "
+                             f"{batch_size}.")
         if len(source) == 0:
             raise ValueError("The split has 0 records: it is empty. Build it with records in it "
                              "(shapes world: world.held_out_fraction, data.images_per_prompt; "
                              "FLUX: a prompts file with prompts in it).")
-        if len(source) < global_batch:
+        if len(source) < batch_size:
             raise ValueError(f"The split has {len(source)} records, fewer than one global batch "
-                             f"of {global_batch} ({batch_size} per host × {self.process_count} "
-                             "hosts): lower the batch size.")
-        self.batches_per_epoch = len(source) // global_batch
+                             f"of {batch_size}: lower the batch size.")
+        self.batches_per_epoch = len(source) // batch_size
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> np.ndarray:
-        """This host's record indices for the current epoch, [batches_per_epoch · B]."""
+        """The record indices of the current epoch's batches, [batches_per_epoch, B]."""
         order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.source))
-        used = order[:self.batches_per_epoch * self.batch_size * self.process_count]
-        return used[self.process_index::self.process_count]
+        return order[:self.batches_per_epoch * self.batch_size].reshape(-1, self.batch_size)
 
     def state(self) -> dict:
         """Where the reader is (JSON): the next batch is batch `position` of epoch `epoch`."""
@@ -86,8 +92,7 @@ class Reader(Iterator):
         if self.position == self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._epoch_order()
-        start = self.position * self.batch_size
-        indices = self._order[start:start + self.batch_size]
+        indices = self._order[self.position, self.rows]
         self.position += 1
         return stack_records(read(self.source, indices))
 

@@ -8,21 +8,22 @@ rebuild gives the same bytes.
 
   builder_config = config_from(config)                # from a run config's world/data fields
   source = load_split(data_dir, "train", builder_config)   # builds on first use
-  reader = Reader(source, batch_size=per_host_batch, seed=0)
-  batch = next(reader)    # {"image": uint8 [B, S, S, 3], "prompt": [B] str}
+  reader = Reader(source, batch_size=global_batch, seed=0, rows=host_rows)
+  batch = next(reader)    # {"image": uint8 [R, S, S, 3], "prompt": [R] str}
 
-`Reader` shuffles every epoch with one permutation shared by all hosts and gives host h the
-records h, h + H, h + 2H, ... of it, so the hosts' batches are disjoint and together cover the
-epoch once. Records are read by random access (`as_data_source`); tensorflow is never imported.
+`Reader` (data/reader.py) shuffles every epoch with one permutation shared by all hosts and
+gives each host its rows of every global batch. Records are read by random access (`as_data_source`); tensorflow is never imported.
 """
 
 import dataclasses
 import os
+import shutil
 
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
+from g2rpo_jax import storage
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import world
 
@@ -116,16 +117,31 @@ def builder(data_dir: str | None, settings: ShapesConfig) -> ShapesWorld:
 def load_split(data_dir: str | None, split: str, settings: ShapesConfig):
     """A random-access source of one split (built first if absent; the build is atomic:
     TFDS writes to a temporary folder and renames it). Only process 0 builds; the others wait
-    for it and then read the same files (data_dir must be shared on a multi-host job)."""
+    for it and then read the same files (data_dir must be shared on a multi-host job).
+
+    A gs:// data_dir: the dataset is built in the download cache (`storage.mirror`) and
+    uploaded, dataset_info.json last; every process reads its local copy (`storage.local`)."""
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; the splits are {SPLITS}.")
-    b = builder(data_dir, settings)
+    remote = data_dir if data_dir and storage.is_remote(data_dir) else None
+    local_dir = storage.mirror(remote) if remote else data_dir
+    b = builder(local_dir, settings)
+    # The dataset's folder below data_dir: <name>/<config>/<version>.
+    relative = os.path.relpath(b.data_dir, storage.mirror(remote)) if remote else ""
     if jax.process_index() == 0:
-        b.download_and_prepare(file_format="array_record")
+        if remote and not storage.path(f"{remote}/{relative}/dataset_info.json").exists():
+            shutil.rmtree(b.data_dir, ignore_errors=True)   # built afresh, then uploaded
+            b.download_and_prepare(file_format="array_record")
+            storage.upload_tree(b.data_dir, f"{remote}/{relative}",
+                                last=("features.json", "dataset_info.json"))
+        elif not remote:
+            b.download_and_prepare(file_format="array_record")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("shapes_tfds built")
-        b = builder(data_dir, settings)  # re-read the info process 0 wrote
+    if remote:
+        storage.local(f"{remote}/{relative}")
+    b = builder(local_dir, settings)  # re-read the info process 0 wrote (or downloaded)
     source = b.as_data_source(split=split)
     if len(source) == 0:
         raise ValueError(f"The {split!r} split of {b.data_dir} is empty: check "

@@ -3,7 +3,9 @@
 The embedded world's models (the shipped base generator, the learned judge) are written by this
 project, so they need no public key map: each nnx Variable is stored under its dotted state path
 (stacked layers stay one tensor), and the file's metadata holds a JSON config that rebuilds the
-module. Writes are atomic (`write_safetensors`), so a file is never half-written.
+module. Writes are atomic (`write_safetensors`; a gs:// path is written locally, then uploaded
+as one object), so a file is never half-written; a gs:// file is read from the download cache
+(`storage.local`).
 
   save(path, {"flux": flux_state, "text_encoder": enc_state}, config={...})
   config = read_config(path)
@@ -13,11 +15,13 @@ module. Writes are atomic (`write_safetensors`), so a file is never half-written
 from collections.abc import Mapping
 import json
 import os
+import tempfile
 
 from flax import nnx
 import jax
 import numpy as np
 
+from g2rpo_jax import storage
 from g2rpo_jax.models.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from g2rpo_jax.models.weights import CheckpointMismatchError
 
@@ -41,14 +45,24 @@ def save(path: str | os.PathLike, states: Mapping[str, object], config: Mapping 
     for prefix, state in states.items():
         tensors.update(flat_arrays(state, prefix))
     metadata = {CONFIG_KEY: json.dumps(dict(config or {}), sort_keys=True)}
-    return write_safetensors(path, tensors, metadata)
+    if not storage.is_remote(path):
+        return write_safetensors(path, tensors, metadata)
+    with tempfile.TemporaryDirectory(prefix="g2rpo_jax_save_") as staging:
+        storage.put(write_safetensors(os.path.join(staging, "weights.safetensors"), tensors,
+                                      metadata), path)
+    return path
 
 
 def _open(path) -> SafetensorsCheckpoint:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"No weights file at {path}: train it first or pass the right "
+    missing = FileNotFoundError(f"No weights file at {path}: train it first or pass the right "
                                 "path (a .safetensors file written by g2rpo_jax).")
-    return SafetensorsCheckpoint(path)
+    try:
+        local = storage.local(path)
+    except FileNotFoundError:
+        raise missing from None
+    if not os.path.isfile(local):
+        raise missing
+    return SafetensorsCheckpoint(local)
 
 
 def read_config(path: str | os.PathLike) -> dict:

@@ -1,6 +1,17 @@
 """Everything that touches devices: meshes, logical axis rules, shardings, multi-host start-up."""
 
-from g2rpo_jax.parallel.host import from_local_rows, local_rows, to_host
+from g2rpo_jax.parallel.agreement import ConfigMismatchError, check_same_config
+from g2rpo_jax.parallel.host import (
+    from_local_rows,
+    gather_rows,
+    host_row_indices,
+    local_rows,
+    process_row_indices,
+    put_global,
+    replicated,
+    rows_by_process,
+    to_host,
+)
 from g2rpo_jax.parallel.mesh import (
     MESH_AXES,
     MeshError,
@@ -22,6 +33,8 @@ from g2rpo_jax.parallel.sharding import (
 )
 
 __all__ = [
+    "ConfigMismatchError",
+    "check_same_config",
     "DEFAULT_RULES",
     "MESH_AXES",
     "MeshError",
@@ -32,6 +45,12 @@ __all__ = [
     "optimizer_state_shardings",
     "replicate_unplaced",
     "from_local_rows",
+    "gather_rows",
+    "host_row_indices",
+    "process_row_indices",
+    "rows_by_process",
+    "put_global",
+    "replicated",
     "local_rows",
     "to_host",
     "make_mesh",

@@ -33,15 +33,26 @@ def step_fn(name: str):
     return STEP_FNS[name]
 
 
-def place_cond(cond: dict, mesh: jax.sharding.Mesh, rules=None) -> dict:
-    """Per-prompt conditioning split over the batch axes; shared entries replicated."""
+def place_cond(cond: dict, mesh: jax.sharding.Mesh, rules=None,
+               prompts: int | None = None) -> dict:
+    """Host (or local) conditioning on the mesh: per-prompt entries split over the batch
+    axes, shared entries replicated. Every process passes the same shared entries; its
+    per-prompt entries are all `P` prompts, or with `prompts=P` only its own rows
+    (`parallel.host_row_indices`)."""
     from g2rpo_jax import parallel  # sampling/ only needs devices at this one entry point
 
     rules = parallel.rules_from_config(rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return {k: jax.device_put(v, parallel.batch_sharding(mesh, v.shape, rules)
-                              if k in PER_PROMPT_COND else replicated)
-            for k, v in cond.items()}
+    placed = {}
+    for k, v in cond.items():
+        v = np.asarray(v)
+        if k not in PER_PROMPT_COND:
+            placed[k] = parallel.put_global(v, replicated)
+        elif prompts is not None:
+            placed[k] = parallel.from_local_rows(v, mesh, prompts, rules=rules)
+        else:
+            placed[k] = parallel.put_global(v, parallel.batch_sharding(mesh, v.shape, rules))
+    return placed
 
 
 def make_velocity_fn(apply_fn: Callable, cond: dict, guidance: float | None,

@@ -42,9 +42,10 @@ class Task(Protocol):
         """The next training prompts (this process's share) with their conditioning."""
 
     def rewards(self, finals, batch: Batch) -> np.ndarray:
-        """finals [P, M, N, C] (a global array) → rewards [R, P, M] (float32; numpy with one
-        process, a global array otherwise), computed on the hosts between the rollout's two
-        jitted stages."""
+        """finals [P, M, N, C] (a global array) → rewards [R, P, M] (float32 numpy, the same
+        on every process), computed on the hosts between the rollout's two jitted stages:
+        each process scores its own rows (`parallel.local_rows`) and `parallel.gather_rows`
+        shares the scores."""
 
     def data_state(self) -> dict:
         """The prompt stream's position (JSON), saved in the run's checkpoints."""

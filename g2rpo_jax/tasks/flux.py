@@ -9,6 +9,10 @@
 - rewards: reward models of the registry (`config.reward.models`), trained on
   `config.reward.train` with `weights`, reported on held-out prompts for `reward.evaluate`.
 
+Every path may be a gs:// URL: the weights that are loaded (the transformer/ and vae/ of a FLUX.1
+folder, the reward checkpoints, the tokenizer) are downloaded once into the cache
+(`storage.local`), the prepared prompt embeddings likewise.
+
 Decoding and reward models run on each process's own devices (a local mesh), on its own rows
 of the batch, in micro-batches of `config.reward.batch_size` images: a micro-batch is decoded
 and scored on the devices, so a whole iteration's images never sit in host memory at once.
@@ -20,7 +24,7 @@ import os
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, evaluation, parallel
+from g2rpo_jax import config_lib, evaluation, parallel, storage
 from g2rpo_jax import rewards as rewards_lib
 from g2rpo_jax.data import prompt_embeddings
 from g2rpo_jax.data import reader as reader_lib
@@ -58,9 +62,9 @@ def check_config(config) -> None:
 
 def model_folder(config) -> str:
     """The FLUX.1 folder the other components default to (model.checkpoint, if a folder)."""
-    path = config.model.checkpoint
-    if os.path.isdir(path) and os.path.basename(os.path.normpath(path)) == "transformer":
-        return os.path.dirname(os.path.normpath(path))
+    path = config.model.checkpoint.rstrip("/")
+    if os.path.basename(path) == "transformer" and storage.path(path).is_dir():
+        return os.path.dirname(path)
     return path
 
 
@@ -131,8 +135,14 @@ class RewardModels:
         self._models = {}
 
     def _resolve(self, path: str) -> str:
+        """Relative to reward.root; a gs:// file or folder: its local copy (storage.local)."""
         if path and self.root and not os.path.isabs(path) and "://" not in path:
-            return os.path.join(self.root, path)
+            path = os.path.join(self.root, path)
+        if path and storage.is_remote(path):
+            try:
+                return storage.local(path)
+            except FileNotFoundError:
+                return path   # reported by `options` with the config field that names it
         return path
 
     def options(self, name: str) -> tuple[str, str, dict]:
@@ -148,7 +158,7 @@ class RewardModels:
             if path is None:
                 raise ValueError(f"config.reward.models.{name}.path is empty: give the "
                                  f"{kind} checkpoint (absolute, or relative to reward.root).")
-            if "://" not in path and not os.path.exists(path):
+            if not os.path.exists(path):
                 raise FileNotFoundError(f"No {kind} checkpoint at {path} "
                                         f"(config.reward.models.{name}.path, reward.root).")
             options.update(mesh=self.mesh, rules=self.rules)
@@ -174,7 +184,7 @@ class RewardModels:
 
 def _default_tokenizer(config) -> str | None:
     folder = os.path.join(config.text.path or model_folder(config), "tokenizer")
-    return folder if os.path.isdir(folder) else None
+    return storage.local(folder) if storage.path(folder).is_dir() else None
 
 
 def load_embeddings(config, role: str, cfg: flux.FluxConfig
@@ -205,11 +215,13 @@ class FluxTask:
         check_config(config)
         self.mesh, self.rules = mesh, parallel.rules_from_config(rules)
         execution = config_lib.execution_fields(config.model)
-        self.policy = flux.from_pretrained(config.model.checkpoint, mesh=mesh, rules=self.rules,
+        self.policy = flux.from_pretrained(
+            storage.local(config.model.checkpoint, parts=("transformer",)), mesh=mesh, rules=self.rules,
                                            **execution)
         cfg = self.policy.cfg
         self.host_mesh = local_mesh()
-        vae_path = config.autoencoder.path or model_folder(config)
+        vae_path = storage.local(config.autoencoder.path or model_folder(config),
+                                 parts=("vae",))
         if os.path.isfile(vae_path):
             raise ValueError(f"config.model.checkpoint {vae_path} is a single file; set "
                              "config.autoencoder.path to FLUX.1's vae/ folder.")
@@ -233,8 +245,9 @@ class FluxTask:
         if training:
             source = load_embeddings(config, "train", cfg)
             self.prompts_per_iteration = config.train.prompts_per_iteration
-            per_host = self.prompts_per_iteration // jax.process_count()
-            self.reader = reader_lib.Reader(source, per_host, seed=config.seed)
+            self.reader = reader_lib.Reader(
+                source, self.prompts_per_iteration, seed=config.seed,
+                rows=parallel.host_row_indices(mesh, self.prompts_per_iteration, self.rules))
             self._shared = self._shared_cond(source.metadata["t5_max_length"])
         self.evaluator, self.score_names, self.in_domain = None, (), ()
         held_out = load_embeddings(config, "eval", cfg)
@@ -277,12 +290,10 @@ class FluxTask:
 
     def next_batch(self) -> Batch:
         batch = next(self.reader)
-        p = self.prompts_per_iteration
-        cond = rollout.place_cond(self._shared, self.mesh, self.rules)
-        cond["txt"] = parallel.from_local_rows(batch["t5"].astype(np.float32), self.mesh, p,
-                                               rules=self.rules)
-        cond["y"] = parallel.from_local_rows(batch["clip_pooled"].astype(np.float32), self.mesh,
-                                             p, rules=self.rules)
+        cond = rollout.place_cond(
+            dict(self._shared, txt=batch["t5"].astype(np.float32),
+                 y=batch["clip_pooled"].astype(np.float32)),
+            self.mesh, self.rules, prompts=self.prompts_per_iteration)
         return Batch(cond, batch["prompt"], batch["index"])
 
     def data_state(self) -> dict:
@@ -292,8 +303,8 @@ class FluxTask:
         self.reader.restore(state)
 
     def rewards(self, finals, batch: Batch):
-        """finals [P, M, N, C] → [R, P, M]: this process's rows decoded and scored in
-        micro-batches on its devices."""
+        """finals [P, M, N, C] → [R, P, M] on every process: this process's rows decoded and
+        scored in micro-batches on its devices, then shared."""
         latents = parallel.local_rows(finals, self.mesh, rules=self.rules)   # [P_host, M, N, C]
         p, m = latents.shape[:2]
         flat = latents.reshape(p * m, *latents.shape[2:])
@@ -306,10 +317,8 @@ class FluxTask:
             for name in self.reward_names:
                 scores[name].append(part[name][:b - a])
         local = np.stack([np.concatenate(scores[n]).reshape(p, m) for n in self.reward_names])
-        if jax.process_count() == 1:
-            return local
-        return parallel.from_local_rows(local, self.mesh, self.prompts_per_iteration, axis=1,
-                                        rules=self.rules)
+        return parallel.gather_rows(local, self.mesh, self.prompts_per_iteration, axis=1,
+                                    rules=self.rules)
 
     def save(self, workdir: str, policy, metadata: dict) -> None:
         """The Orbax checkpoint the loop writes is the FLUX task's output (`evaluate` loads

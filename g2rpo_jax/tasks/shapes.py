@@ -8,8 +8,9 @@ import os
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, evaluation, generator
+from g2rpo_jax import config_lib, evaluation, generator, parallel
 from g2rpo_jax.data import shapes_tfds, world
+from g2rpo_jax.sampling import rollout
 from g2rpo_jax.tasks.base import Batch
 
 
@@ -32,12 +33,14 @@ def make_reward_fn(gen: generator.Generator, names, prompts, config):
     return reward_fn
 
 
-def prompt_stream(config) -> shapes_tfds.Reader:
-    """Per-host batches of training prompts from the TFDS train split (shuffled per epoch)."""
+def prompt_stream(config, mesh, rules) -> shapes_tfds.Reader:
+    """This process's rows of each iteration's training prompts, from the TFDS train split
+    (shuffled per epoch)."""
     data_dir = config.data.data_dir or None
     source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
-    per_host = config.train.prompts_per_iteration // jax.process_count()
-    return shapes_tfds.Reader(source, per_host, seed=config.seed)
+    prompts = config.train.prompts_per_iteration
+    return shapes_tfds.Reader(source, prompts, seed=config.seed,
+                              rows=parallel.host_row_indices(mesh, prompts, rules))
 
 
 class ShapesTask:
@@ -49,7 +52,8 @@ class ShapesTask:
                              "(the shipped base: configs/shapes_cpu.py sets it).")
         execution = config_lib.execution_fields(config.model)
         self.gen = generator.load_generator(config.model.checkpoint, mesh, rules, **execution)
-        self.mesh = mesh
+        self.mesh, self.rules = mesh, rules
+        self.prompts_per_iteration = config.train.prompts_per_iteration
         self.policy = self.gen.flux
         self.latent_shape = self.gen.latent_shape
         self.reward_names = tuple(config.reward.train)
@@ -58,7 +62,7 @@ class ShapesTask:
             train_prompts = world.split_prompts(config.world.split_seed,
                                                 config.world.held_out_fraction)["train"]
             self._prompt_index = {p: i for i, p in enumerate(train_prompts)}
-            self.reader = prompt_stream(config)
+            self.reader = prompt_stream(config, mesh, rules)
         self.evaluator = evaluation.Evaluator(config, self.gen,
                                               evaluation.held_out_prompts(config), mesh)
         self.score_names = self.evaluator.scorers
@@ -69,7 +73,8 @@ class ShapesTask:
 
     def next_batch(self) -> Batch:
         prompts = next(self.reader)["prompt"]
-        cond = self.gen.encode(prompts, self.mesh)
+        cond = rollout.place_cond(self.gen.encode(prompts), self.mesh, self.rules,
+                                  prompts=self.prompts_per_iteration)
         ids = np.asarray([self._prompt_index[p] for p in prompts], np.int32)
         return Batch(cond, prompts, ids)
 
@@ -80,7 +85,9 @@ class ShapesTask:
         self.reader.restore(state)
 
     def rewards(self, finals, batch: Batch) -> np.ndarray:
-        return self._reward_fn(finals, batch.extra)
+        local = parallel.local_rows(finals, self.mesh, rules=self.rules)   # [P_host, M, N, C]
+        return parallel.gather_rows(self._reward_fn(local, batch.extra), self.mesh,
+                                    self.prompts_per_iteration, axis=1, rules=self.rules)
 
     def save(self, workdir: str, policy, metadata: dict) -> str:
         self.gen.flux = policy

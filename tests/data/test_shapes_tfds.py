@@ -62,24 +62,31 @@ def test_rebuilding_gives_the_same_bytes(tmp_path, sources):
     assert [p for p, _ in third] == [p for p, _ in first] and third != first
 
 
-def test_hosts_read_disjoint_batches_that_cover_the_epoch(sources):
+def test_hosts_read_disjoint_rows_of_each_batch_that_cover_the_epoch(sources):
+    """Hosts holding the rows {0, 3, 6, ...}, {1, 4, ...}, {2, 5, ...} of a global batch of
+    21 (a layout the mesh can give): disjoint, the epoch covered once, each host's batch the
+    one-host batch at its rows."""
     source = sources["held_out"]
-    batch, hosts = 7, 3
-    readers = [shapes_tfds.Reader(source, batch, seed=5, process_index=h, process_count=hosts)
+    batch, hosts = 21, 3
+    readers = [shapes_tfds.Reader(source, batch, seed=5, rows=range(h, batch, hosts))
                for h in range(hosts)]
-    per_epoch = len(source) // (batch * hosts)
-    assert readers[0].batches_per_epoch == per_epoch
+    whole = shapes_tfds.Reader(source, batch, seed=5)
+    per_epoch = len(source) // batch
+    assert readers[0].batches_per_epoch == whole.batches_per_epoch == per_epoch
     seen = []
     for reader in readers:
         batches = [next(reader) for _ in range(per_epoch)]
-        assert all(b["image"].shape == (batch, 32, 32, 3) for b in batches)
+        assert all(b["image"].shape == (batch // hosts, 32, 32, 3) for b in batches)
         seen.append([(p, img.tobytes()) for b in batches
                      for p, img in zip(b["prompt"], b["image"])])
     everything = [x for host in seen for x in host]
-    assert len(set(everything)) == len(everything) == per_epoch * batch * hosts
+    assert len(set(everything)) == len(everything) == per_epoch * batch
     for a in range(hosts):
         for b in range(a + 1, hosts):
             assert not set(seen[a]) & set(seen[b])
+    first = next(whole)
+    assert seen[1][:batch // hosts] == [(first["prompt"][i], first["image"][i].tobytes())
+                                        for i in range(1, batch, hosts)]
     # The next epoch is another permutation (same records, other order).
     next_epoch = [next(readers[0]) for _ in range(per_epoch)]
     again = [(p, img.tobytes()) for b in next_epoch for p, img in zip(b["prompt"], b["image"])]
@@ -99,8 +106,9 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="The split has 0 records.*empty"):
         shapes_tfds.Reader([], 4)
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        shapes_tfds.Reader([{"prompt": b"a red circle"}] * 3, 2, process_index=0,
-                           process_count=2)
+        shapes_tfds.Reader([{"prompt": b"a red circle"}] * 3, 4)
+    with pytest.raises(ValueError, match="are not rows of a batch of 4"):
+        shapes_tfds.Reader([{"prompt": b"a red circle"}] * 8, 4, rows=[2, 4])
     with pytest.raises(ValueError, match="Unknown split 'test'"):
         shapes_tfds.load_split(None, "test", SETTINGS)
     with pytest.raises(ValueError, match="images_per_prompt must be at least 1"):
