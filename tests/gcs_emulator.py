@@ -22,8 +22,6 @@ import time
 import urllib.request
 
 
-
-
 def _patched_download():
     """objects.download with GCS's generation header and preconditions."""
     from gcp_storage_emulator.exceptions import NotFound
