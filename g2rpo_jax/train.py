@@ -156,7 +156,9 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         cond = batch.cond
         with jax.set_mesh(mesh):
             finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
-            scores = task.rewards(finals, batch)
+        # Outside the global mesh: a task may decode and score on each process's own devices.
+        scores = task.rewards(finals, batch)
+        with jax.set_mesh(mesh):
             train_batch, stats = finish_fn(parallel.replicated(scores, mesh), carry)
             if compiled_update is None:
                 compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
