@@ -37,7 +37,6 @@ table.
 """
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -62,7 +61,7 @@ _VAE_BATCH = flags.DEFINE_integer("vae_batch_per_chip", 4, "Latents decoded per 
 _T5_BATCH = flags.DEFINE_integer("t5_batch", 0, "Prompts per T5 call; 0 = "
                                  "config.data.chunk_size (preprocessing's work unit).")
 _HBM_GIB = flags.DEFINE_float("hbm_gib", 0.0, "HBM per chip in GiB; 0 = from the device kind.")
-_OUT = flags.DEFINE_string("out", "", "JSON path; default benchmarks/results/"
+_OUT = flags.DEFINE_string("out", "", "JSON path, local or gs://; default benchmarks/results/"
                            "tpu_aot_<topology>.json (one file per topology).")
 
 
@@ -524,6 +523,8 @@ def print_row(row: dict, hbm: float) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from g2rpo_jax import storage
+
     config = _CONFIG.value
     for topology in _TOPOLOGY.value:
         devices = topology_devices(topology)
@@ -535,9 +536,7 @@ def main(argv):
         report = run_topology(config, topology)
         path = _OUT.value or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                           f"tpu_aot_{topology.replace(':', '_')}.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+        storage.write_json(path, report)   # a local path or gs://
         print(f"mesh {report['mesh']}; wrote {path}")
 
 

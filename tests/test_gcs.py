@@ -126,3 +126,13 @@ def test_missing_bucket_unreachable_endpoint_and_missing_weights_are_named(gcs, 
                    gcs, tmp_path, timeout=300)
     assert weights.returncode != 0
     assert f"No weights file at gs://{gcs.bucket}/nothing.safetensors" in weights.stderr
+
+
+def test_aot_report_is_written_to_the_bucket(gcs, tmp_path):
+    out = f"gs://{gcs.bucket}/aot/tpu_aot_cpu.json"
+    result = _run([os.path.join("benchmarks", "tpu_aot.py"), "--topology=cpu",
+                   "--config=configs/flux_tiny.py", "--pieces=forward", f"--out={out}"],
+                  gcs, tmp_path, devices=8, timeout=600, JAX_PLATFORMS="cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(_download(gcs, "aot/tpu_aot_cpu.json"))
+    assert report["chips"] == 8 and [row["piece"] for row in report["pieces"]] == ["forward"]
