@@ -1,5 +1,6 @@
 r"""Prompt preprocessing for FLUX RL: encode the prompts files once with T5 and CLIP and write
-the TFDS ArrayRecord datasets the RL job and the evaluation read (g2rpo_jax.data.prompt_embeddings).
+the TFDS ArrayRecord datasets the RL job and the evaluation read
+(g2rpo_jax.data.embedding_preparation, g2rpo_jax.data.embedding_dataset).
 
   python -m g2rpo_jax.preprocess --config=configs/flux_tiny.py \
       [--config.data.prompts_file=F] [--config.data.eval_prompts_file=E] [--config.x.y=...]
@@ -19,7 +20,7 @@ import time
 from absl import app, flags, logging
 
 from g2rpo_jax import config_lib, parallel, storage
-from g2rpo_jax.data import prompt_embeddings
+from g2rpo_jax.data import embedding_dataset, embedding_preparation, text_encoders
 
 _FLAGS = {}
 
@@ -59,20 +60,20 @@ def preprocess(config) -> dict[str, str]:
         if section not in config:
             raise ValueError(f"The config has no `{section}` section: FLUX configs start from "
                              "config_lib.flux_config() (see configs/flux_tiny.py).")
-    specs = prompt_embeddings.specs_from_config(config)
+    specs = embedding_preparation.specs_from_config(config)
     dims = transformer_dims(config.model.checkpoint)
 
     def check(t5_dim: int, clip_dim: int) -> None:
         if dims is not None:
-            prompt_embeddings.check_dims({"t5_dim": t5_dim, "clip_dim": clip_dim}, *dims,
+            embedding_dataset.check_dims({"t5_dim": t5_dim, "clip_dim": clip_dim}, *dims,
                                          where=f"the encoders of {specs['train'].encoders}")
 
     first = specs["train"]
     # Loaded once, only if some chunk is left to encode, and shared by both datasets.
-    load_encoders = functools.cache(lambda: prompt_embeddings.TextEncoders(
-        prompt_embeddings.local_encoders(first.encoders), first.t5_max_length,
+    load_encoders = functools.cache(lambda: text_encoders.TextEncoders(
+        text_encoders.local_encoders(first.encoders), first.t5_max_length,
         first.clip_max_length, first.encoder_dtype))
-    return {role: prompt_embeddings.prepare(
+    return {role: embedding_preparation.prepare(
         spec, config.data.data_dir or None, config.data.chunk_size, config.data.keep_chunks,
         load_encoders=load_encoders, validate_dims=check) for role, spec in specs.items()}
 
@@ -86,8 +87,8 @@ def main(argv):
     directories = preprocess(config)
     digests = {}
     for role, directory in directories.items():
-        digests[role] = prompt_embeddings.records_digest(directory)
-        source = prompt_embeddings.load(directory)
+        digests[role] = embedding_dataset.records_digest(directory)
+        source = embedding_dataset.load(directory)
         meta = source.metadata
         logging.info("%s: %d prompts, T5 [%d, %d] and CLIP [%d] as %s in %s.", role, len(source),
                      meta["t5_max_length"], meta["t5_dim"], meta["clip_dim"],

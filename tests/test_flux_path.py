@@ -19,7 +19,7 @@ import torch
 
 from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import evaluate, parallel, preprocess, train
-from g2rpo_jax.data import prompt_embeddings
+from g2rpo_jax.data import embedding_dataset
 from g2rpo_jax.models import clip_text, flux, t5
 from g2rpo_jax.testing import flux_fixture, flux_reference
 
@@ -79,8 +79,8 @@ def test_preprocessing_twice_gives_identical_records(fixture_root, prepared, tmp
     assert set(again["datasets"]) == set(prepared) == {"train", "eval"}
     for role in prepared:
         assert again["datasets"][role] != prepared[role]
-        assert again["records_sha256"][role] == prompt_embeddings.records_digest(prepared[role])
-    meta = prompt_embeddings.load(prepared["train"]).metadata
+        assert again["records_sha256"][role] == embedding_dataset.records_digest(prepared[role])
+    meta = embedding_dataset.load(prepared["train"]).metadata
     assert (meta["num_prompts"], meta["t5_max_length"], meta["t5_dim"], meta["clip_dim"]) == (
         24, 16, 64, 32)
 
@@ -91,7 +91,7 @@ def test_embeddings_are_the_reference_encoders_outputs(fixture_root, prepared):
 
     root, _ = fixture_root
     folder = os.path.join(root, "flux")
-    records = prompt_embeddings.load(prepared["eval"]).records_by_index()[:3]
+    records = embedding_dataset.load(prepared["eval"]).records_by_index()[:3]
     prompts = [r["prompt"].decode() for r in records]
     t5_ids, _ = t5.tokenize(t5.load_tokenizer(folder), prompts, 16)
     clip_ids = clip_text.tokenize(clip_text.load_tokenizer(folder), prompts)

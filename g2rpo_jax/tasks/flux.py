@@ -26,7 +26,7 @@ import numpy as np
 
 from g2rpo_jax import config_lib, evaluation, parallel, storage
 from g2rpo_jax import rewards as rewards_lib
-from g2rpo_jax.data import prompt_embeddings
+from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.models import autoencoder as autoencoder_lib
 from g2rpo_jax.models import flux
@@ -188,16 +188,16 @@ def _default_tokenizer(config) -> str | None:
 
 
 def load_embeddings(config, role: str, cfg: flux.FluxConfig
-                    ) -> prompt_embeddings.EmbeddingSource | None:
+                    ) -> embedding_dataset.EmbeddingSource | None:
     """The prepared embedding dataset of `role` ("train" / "eval"; None if that prompts file is
     not configured), checked against the transformer and the config's text settings."""
-    specs = prompt_embeddings.specs_from_config(config)
+    specs = embedding_preparation.specs_from_config(config)
     if role not in specs:
         return None
-    data_dir = config.data.data_dir or prompt_embeddings.default_data_dir()
-    directory = prompt_embeddings.dataset_dir(data_dir, specs[role].name)
-    source = prompt_embeddings.load(directory)
-    prompt_embeddings.check_dims(source.metadata, cfg.joint_attention_dim,
+    data_dir = config.data.data_dir or tfds_dirs.default_data_dir()
+    directory = embedding_dataset.dataset_dir(data_dir, specs[role].name)
+    source = embedding_dataset.load(directory)
+    embedding_dataset.check_dims(source.metadata, cfg.joint_attention_dim,
                                  cfg.pooled_projection_dim, directory)
     for field, wanted in (("t5_max_length", config.text.t5_max_length),
                           ("clip_max_length", config.text.clip_max_length)):

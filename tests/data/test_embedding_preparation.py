@@ -1,17 +1,17 @@
-"""Prompt-embedding datasets: prompts files, storage dtypes, resumable and multi-host encoding,
-deterministic assembly, reading, and the errors. A stand-in encoder (a deterministic function
-of each prompt) keeps these fast; tests/test_flux_path.py runs the real T5 and CLIP."""
+"""Preparing prompt-embedding datasets: resumable and multi-host encoding, deterministic
+assembly, what is read back, and the errors. A stand-in encoder (a deterministic function of
+each prompt) keeps these fast; tests/test_flux_path.py runs the real T5 and CLIP."""
 
 import json
 import zlib
 
-import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
 import pytest
 
-from g2rpo_jax.data import prompt_embeddings as pe
+from g2rpo_jax.data import embedding_dataset, text_encoders
+from g2rpo_jax.data import embedding_preparation as prep
 from g2rpo_jax.data import reader as reader_lib
 
 T5_LENGTH, T5_DIM, CLIP_DIM = 5, 4, 6
@@ -37,7 +37,7 @@ class FakeEncoders:
 def _encoders_folder(root):
     """The four folders a FLUX.1 repo has for its text encoders, with their config files."""
     folder = root / "flux"
-    for sub in pe._ENCODER_FOLDERS:
+    for sub in text_encoders.ENCODER_FOLDERS:
         (folder / sub).mkdir(parents=True)
     (folder / "text_encoder_2" / "config.json").write_text(json.dumps({"d_model": T5_DIM}))
     (folder / "text_encoder" / "config.json").write_text(json.dumps({"hidden_size": CLIP_DIM}))
@@ -48,50 +48,25 @@ def _encoders_folder(root):
 def setup(tmp_path):
     prompts = [f"prompt number {i}, a {c} cat" for i, c in enumerate("abcdefghijk")]
     (tmp_path / "train.txt").write_text("\n".join(prompts) + "\n")
-    spec = pe.EmbeddingSpec(name="train", prompts_file=str(tmp_path / "train.txt"),
-                            encoders=_encoders_folder(tmp_path), t5_max_length=T5_LENGTH,
-                            storage_dtype="float32")
+    spec = prep.EmbeddingSpec(name="train", prompts_file=str(tmp_path / "train.txt"),
+                              encoders=_encoders_folder(tmp_path), t5_max_length=T5_LENGTH,
+                              storage_dtype="float32")
     return tmp_path, spec, prompts
 
 
 def _prepare(spec, data_dir, encoders=None, **kw):
     encoders = encoders or FakeEncoders()
-    return pe.prepare(spec, str(data_dir), load_encoders=lambda: encoders, progress=False, **kw)
-
-
-def test_read_prompts(tmp_path):
-    path = tmp_path / "p.txt"
-    path.write_text("a red cat\r\nblue dog\nthird\n")
-    assert pe.read_prompts(str(path)) == ["a red cat", "blue dog", "third"]
-    assert pe.read_prompts(str(path), max_prompts=2) == ["a red cat", "blue dog"]
-    path.write_text("a\nb\n\nc\n   \n")
-    with pytest.raises(ValueError, match=r"blank lines \(line 3 and 1 more\)"):
-        pe.read_prompts(str(path))
-    assert pe.read_prompts(str(path), max_prompts=2) == ["a", "b"]  # only the lines used count
-    path.write_text("")
-    with pytest.raises(ValueError, match="is empty"):
-        pe.read_prompts(str(path))
-    with pytest.raises(FileNotFoundError, match="config.data.prompts_file"):
-        pe.read_prompts(str(tmp_path / "missing.txt"))
-
-
-def test_bfloat16_storage_is_lossless_for_bfloat16_values():
-    x = np.random.default_rng(0).normal(size=(3, 7)).astype(np.float32) * 100
-    stored = pe.to_storage(x, "bfloat16")
-    assert stored.dtype == np.uint16
-    back = pe.from_storage(stored, "bfloat16")
-    assert back.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(back, x.astype(ml_dtypes.bfloat16))
-    np.testing.assert_array_equal(pe.from_storage(pe.to_storage(x, "float32"), "float32"), x)
+    return prep.prepare(spec, str(data_dir), load_encoders=lambda: encoders, progress=False,
+                        **kw)
 
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16"])
 def test_records_hold_every_prompt_in_file_order(setup, storage):
     tmp_path, spec, prompts = setup
-    spec = pe.EmbeddingSpec(**dict(spec.__dict__, storage_dtype=storage))
+    spec = prep.EmbeddingSpec(**dict(spec.__dict__, storage_dtype=storage))
     directory = _prepare(spec, tmp_path / "tfds", chunk_size=4)
-    assert directory == pe.dataset_dir(str(tmp_path / "tfds"), "train")
-    source = pe.load(directory)
+    assert directory == embedding_dataset.dataset_dir(str(tmp_path / "tfds"), "train")
+    source = embedding_dataset.load(directory)
     assert len(source) == len(prompts)
     assert source.metadata["t5_dim"] == T5_DIM and source.metadata["clip_dim"] == CLIP_DIM
     records = source.records_by_index()
@@ -120,7 +95,7 @@ def test_an_interrupted_run_continues_where_it_stopped(setup):
     directory = _prepare(spec, tmp_path / "a", resumed, chunk_size=3)
     assert resumed.calls == 2  # 11 prompts = 4 chunks of 3; two were already done
     clean = _prepare(spec, tmp_path / "b", chunk_size=3)
-    assert pe.records_digest(directory) == pe.records_digest(clean)
+    assert embedding_dataset.records_digest(directory) == embedding_dataset.records_digest(clean)
     # Prepared already: nothing is encoded again.
     again = FakeEncoders()
     assert _prepare(spec, tmp_path / "a", again, chunk_size=3) == directory
@@ -131,18 +106,18 @@ def test_hosts_encode_their_own_chunks_and_process_zero_assembles(setup):
     tmp_path, spec, prompts = setup
     chunk_dir = str(tmp_path / "chunks")
     encoders = [FakeEncoders(), FakeEncoders()]
-    done = [pe.encode_chunks(prompts, encoders[h].encode, chunk_dir, 2, "float32", h, 2,
-                             progress=False) for h in range(2)]
+    done = [prep.encode_chunks(prompts, encoders[h].encode, chunk_dir, 2, "float32", h, 2,
+                               progress=False) for h in range(2)]
     assert done == [[0, 2, 4], [1, 3, 5]]  # 11 prompts, chunks of 2: host h takes h, h + 2, ...
     # A later run of every process finds its chunks done, encodes nothing, and process 0
     # assembles the same records as a single process would.
     for h in (1, 0):
-        multi = pe.prepare(spec, str(tmp_path / "multi"), chunk_size=2, progress=False,
-                           load_encoders=FakeEncoders, process_index=h, process_count=2)
-    multi_dir = pe.dataset_dir(str(tmp_path / "multi"), "train")
+        multi = prep.prepare(spec, str(tmp_path / "multi"), chunk_size=2, progress=False,
+                             load_encoders=FakeEncoders, process_index=h, process_count=2)
+    multi_dir = embedding_dataset.dataset_dir(str(tmp_path / "multi"), "train")
     assert multi == multi_dir
     single = _prepare(spec, tmp_path / "single", chunk_size=2)
-    assert pe.records_digest(multi_dir) == pe.records_digest(single)
+    assert embedding_dataset.records_digest(multi_dir) == embedding_dataset.records_digest(single)
 
 
 def test_a_name_holding_other_prompts_is_an_error(setup):
@@ -155,39 +130,31 @@ def test_a_name_holding_other_prompts_is_an_error(setup):
 
 def test_reader_batches_typed_embeddings(setup):
     tmp_path, spec, prompts = setup
-    spec = pe.EmbeddingSpec(**dict(spec.__dict__, storage_dtype="bfloat16"))
-    source = pe.load(_prepare(spec, tmp_path / "tfds"))
+    spec = prep.EmbeddingSpec(**dict(spec.__dict__, storage_dtype="bfloat16"))
+    source = embedding_dataset.load(_prepare(spec, tmp_path / "tfds"))
     batch = next(reader_lib.Reader(source, 4, seed=0))
-    assert sorted(batch) == sorted(pe.FEATURES)
+    assert sorted(batch) == sorted(embedding_dataset.FEATURES)
     assert batch["t5"].shape == (4, T5_LENGTH, T5_DIM) and batch["t5"].dtype == ml_dtypes.bfloat16
     assert batch["clip_pooled"].shape == (4, CLIP_DIM)
     assert [prompts[i] for i in batch["index"]] == batch["prompt"]
 
 
-def test_errors_name_the_problem_and_the_fix(tmp_path, setup):
+def test_errors_name_the_problem_and_the_fix(setup):
     _, spec, _ = setup
-    with pytest.raises(ValueError, match="joint_attention_dim is 64.*config.text.path"):
-        pe.check_dims({"t5_dim": 4, "clip_dim": 6}, 64, 6)
-    with pytest.raises(ValueError, match="pooled_projection_dim is 32"):
-        pe.check_dims({"t5_dim": 4, "clip_dim": 6}, 4, 32)
-    with pytest.raises(FileNotFoundError, match="nowhere does not exist.*config.text.path"):
-        pe.encoder_identity(str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match=r"No prepared prompt embeddings.*preprocess"):
-        pe.load(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="storage dtype 'float16'"):
-        pe.EmbeddingSpec(**dict(spec.__dict__, storage_dtype="float16"))
+        prep.EmbeddingSpec(**dict(spec.__dict__, storage_dtype="float16"))
     config = ml_collections.ConfigDict(dict(
         model=dict(checkpoint=""),
         text=dict(path="", dtype="float32", t5_max_length=8, clip_max_length=77),
         data=dict(prompts_file="a/prompts.txt", eval_prompts_file="b/prompts.txt", name="",
                   eval_name="", max_prompts=0, max_eval_prompts=0, storage_dtype="float32")))
     with pytest.raises(ValueError, match="No text encoders: set config.text.path"):
-        pe.specs_from_config(config)
+        prep.specs_from_config(config)
     config.text.path = "flux"
     with pytest.raises(ValueError, match="both be stored as 'prompts'.*eval_name"):
-        pe.specs_from_config(config)
+        prep.specs_from_config(config)
     config.data.eval_name = "held_out"
-    specs = pe.specs_from_config(config)
+    specs = prep.specs_from_config(config)
     assert (specs["train"].name, specs["eval"].name) == ("prompts", "held_out")
 
 
@@ -195,12 +162,12 @@ def test_errors_name_the_problem_and_the_fix(tmp_path, setup):
 def test_two_processes_prepare_what_one_does(tmp_path):
     """Two jax.distributed processes (2 CPU devices each) on the tiny FLUX.1-dev: each encodes
     its chunks, process 0 assembles after the barrier, both read the result; it holds what this
-    process prepares alone (bit-identical values need the same device layout: see the module
-    docstring, so values are compared to 1e-5).
+    process prepares alone (bit-identical values need the same device layout: see
+    embedding_preparation's docstring, so values are compared to 1e-5).
 
-    Chunks of one prompt make 20 encoder calls per process: with the encoders sharded over both
-    CPU devices (before `_encoder_devices`) gloo aborted 4 of 6 such runs, and this test failed
-    2 of 3 times (benchmarks/two_process_preprocess.py)."""
+    Chunks of one prompt make 20 encoder calls per process: many programs in a row, where gloo
+    mismatched the collectives of encoders sharded over both CPU devices
+    (`text_encoders.encoder_devices`; benchmarks/two_process_preprocess.py counts such runs)."""
     import os
     import socket
     import subprocess
@@ -229,21 +196,15 @@ def test_two_processes_prepare_what_one_does(tmp_path):
     for run in runs:
         assert run.returncode == 0, "\n\n".join(err[-2500:] for _, err in outputs)
     assert "encode prompts (process 0/2)" in outputs[0][1]  # process 0's progress bar
-    spec = pe.EmbeddingSpec(name="train", prompts_file=prompts["train"], encoders=folder,
-                            t5_max_length=16, storage_dtype="float32", encoder_dtype="float32")
-    alone = pe.load(pe.prepare(spec, str(tmp_path / "single"), chunk_size=3, progress=False))
-    multi = pe.load(pe.dataset_dir(str(tmp_path / "multi"), "train"))
+    spec = prep.EmbeddingSpec(name="train", prompts_file=prompts["train"], encoders=folder,
+                              t5_max_length=16, storage_dtype="float32", encoder_dtype="float32")
+    alone = embedding_dataset.load(prep.prepare(spec, str(tmp_path / "single"), chunk_size=3,
+                                                progress=False))
+    multi = embedding_dataset.load(
+        embedding_dataset.dataset_dir(str(tmp_path / "multi"), "train"))
     assert multi.metadata["fingerprint"] == alone.metadata["fingerprint"]
     for a, b in zip(multi.records_by_index(), alone.records_by_index(), strict=True):
         assert (a["prompt"], int(a["index"])) == (b["prompt"], int(b["index"]))
         np.testing.assert_allclose(a["t5"], b["t5"], atol=1e-5)
         np.testing.assert_allclose(a["clip_pooled"], b["clip_pooled"], atol=1e-5)
 
-
-def test_multi_process_cpu_encodes_on_one_device(monkeypatch):
-    """XLA:CPU sends in-process collectives through gloo once jax.distributed is up, and gloo
-    mismatched them (see test_two_processes_prepare_what_one_does), so CPU processes of a
-    multi-process run encode on one device; a single process keeps its whole local mesh."""
-    assert pe._encoder_devices() == jax.local_devices() and len(jax.local_devices()) == 8
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert pe._encoder_devices() == jax.local_devices()[:1]
