@@ -23,6 +23,7 @@ import tqdm
 
 from g2rpo_jax import evaluation, generator, parallel, storage
 from g2rpo_jax import metrics as metrics_lib
+from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.rl import update as update_lib
 
 
@@ -98,8 +99,8 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
         gen = generator.build_generator(config, mesh, config.seed, rules)
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
     train_source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
-    reader = shapes_tfds.Reader(train_source, settings.batch_size, seed=config.seed,
-                                rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
+    reader = reader_lib.Reader(train_source, settings.batch_size, seed=config.seed,
+                               rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
     held_out = evaluation.held_out_prompts(config)
 
     optimizer = update_lib.make_optimizer(config.optimizer)

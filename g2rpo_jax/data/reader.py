@@ -8,8 +8,16 @@ of records), shared by the shapes world and the FLUX prompt-embedding datasets.
 Every epoch is one permutation of the records, the same on all hosts (seeded by (seed, epoch)),
 cut into global batches of `batch_size`; a host reads only its `rows` of each (the rows of the
 batch that lie on its devices), so the hosts together read every batch once and the batch does
-not depend on the number of hosts. `state()` / `restore()` give and take the position (epoch, batch), which
-the RL checkpoints hold.
+not depend on the number of hosts. `state()` / `restore()` give and take the position (epoch,
+batch), which the RL checkpoints hold; restoring checks that the seed, the number of records
+and the batches per epoch are those of the checkpoint.
+
+Why not grain: its samplers also reshuffle every epoch and checkpoint their position, but they
+shard by process (`IndexSampler` with `ShardByJaxProcess` gives each process a contiguous slice
+of the records, shuffled within it), so a host's rows follow its process index rather than the
+mesh and the global batch changes with the number of processes; and grain's index shuffle
+orders the records differently from this permutation, on which every measured run's data
+order depends.
 """
 
 from collections.abc import Iterator

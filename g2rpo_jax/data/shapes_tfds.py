@@ -12,7 +12,8 @@ rebuild gives the same bytes.
   batch = next(reader)    # {"image": uint8 [R, S, S, 3], "prompt": [R] str}
 
 `Reader` (data/reader.py) shuffles every epoch with one permutation shared by all hosts and
-gives each host its rows of every global batch. Records are read by random access (`as_data_source`); tensorflow is never imported.
+gives each host its rows of every global batch. Records are read by random access
+(`as_data_source`); tensorflow is never imported.
 """
 
 import dataclasses
@@ -24,8 +25,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from g2rpo_jax import storage
-from g2rpo_jax.data import reader as reader_lib
-from g2rpo_jax.data import world
+from g2rpo_jax.data import tfds_dirs, world
 
 VERSION = "1.0.0"
 SPLITS = ("train", "held_out")
@@ -102,16 +102,13 @@ class ShapesWorld(tfds.core.GeneratorBasedBuilder):
             rng = np.random.default_rng((s.render_seed, index[prompt]))
             for j in range(s.images_per_prompt):
                 yield f"{index[prompt]}_{j}", {
-                    "image": world.render_prompt(prompt, rng, s.image_size, s.placement_grid), "prompt": prompt}
-
-
-def default_data_dir() -> str:
-    """TFDS's own default (~/tensorflow_datasets, or $TFDS_DATA_DIR)."""
-    return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+                    "image": world.render_prompt(prompt, rng, s.image_size, s.placement_grid),
+                    "prompt": prompt}
 
 
 def builder(data_dir: str | None, settings: ShapesConfig) -> ShapesWorld:
-    return ShapesWorld(config=_BuilderConfig(settings), data_dir=data_dir or default_data_dir())
+    return ShapesWorld(config=_BuilderConfig(settings),
+                       data_dir=data_dir or tfds_dirs.default_data_dir())
 
 
 def load_split(data_dir: str | None, split: str, settings: ShapesConfig):
@@ -147,7 +144,3 @@ def load_split(data_dir: str | None, split: str, settings: ShapesConfig):
         raise ValueError(f"The {split!r} split of {b.data_dir} is empty: check "
                          "world.held_out_fraction and data.images_per_prompt.")
     return source
-
-
-# Per-host batches of a split (shared with the FLUX prompt-embedding datasets).
-Reader = reader_lib.Reader

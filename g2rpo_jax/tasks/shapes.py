@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from g2rpo_jax import config_lib, evaluation, generator, parallel
+from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.sampling import rollout
 from g2rpo_jax.tasks.base import Batch
@@ -33,14 +34,14 @@ def make_reward_fn(gen: generator.Generator, names, prompts, config):
     return reward_fn
 
 
-def prompt_stream(config, mesh, rules) -> shapes_tfds.Reader:
+def prompt_stream(config, mesh, rules) -> reader_lib.Reader:
     """This process's rows of each iteration's training prompts, from the TFDS train split
     (shuffled per epoch)."""
     data_dir = config.data.data_dir or None
     source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
     prompts = config.train.prompts_per_iteration
-    return shapes_tfds.Reader(source, prompts, seed=config.seed,
-                              rows=parallel.host_row_indices(mesh, prompts, rules))
+    return reader_lib.Reader(source, prompts, seed=config.seed,
+                             rows=parallel.host_row_indices(mesh, prompts, rules))
 
 
 class ShapesTask:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from g2rpo_jax import config_lib
+from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.rewards import verifier
 
@@ -68,9 +69,9 @@ def test_hosts_read_disjoint_rows_of_each_batch_that_cover_the_epoch(sources):
     one-host batch at its rows."""
     source = sources["held_out"]
     batch, hosts = 21, 3
-    readers = [shapes_tfds.Reader(source, batch, seed=5, rows=range(h, batch, hosts))
+    readers = [reader_lib.Reader(source, batch, seed=5, rows=range(h, batch, hosts))
                for h in range(hosts)]
-    whole = shapes_tfds.Reader(source, batch, seed=5)
+    whole = reader_lib.Reader(source, batch, seed=5)
     per_epoch = len(source) // batch
     assert readers[0].batches_per_epoch == whole.batches_per_epoch == per_epoch
     seen = []
@@ -94,9 +95,9 @@ def test_hosts_read_disjoint_rows_of_each_batch_that_cover_the_epoch(sources):
 
 
 def test_reader_is_reproducible_from_its_seed(sources):
-    a = shapes_tfds.Reader(sources["train"], 4, seed=1)
-    b = shapes_tfds.Reader(sources["train"], 4, seed=1)
-    c = shapes_tfds.Reader(sources["train"], 4, seed=2)
+    a = reader_lib.Reader(sources["train"], 4, seed=1)
+    b = reader_lib.Reader(sources["train"], 4, seed=1)
+    c = reader_lib.Reader(sources["train"], 4, seed=2)
     first = [next(a)["prompt"] for _ in range(3)]
     assert first == [next(b)["prompt"] for _ in range(3)]
     assert first != [next(c)["prompt"] for _ in range(3)]
@@ -104,11 +105,11 @@ def test_reader_is_reproducible_from_its_seed(sources):
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="The split has 0 records.*empty"):
-        shapes_tfds.Reader([], 4)
+        reader_lib.Reader([], 4)
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        shapes_tfds.Reader([{"prompt": b"a red circle"}] * 3, 4)
+        reader_lib.Reader([{"prompt": b"a red circle"}] * 3, 4)
     with pytest.raises(ValueError, match="are not rows of a batch of 4"):
-        shapes_tfds.Reader([{"prompt": b"a red circle"}] * 8, 4, rows=[2, 4])
+        reader_lib.Reader([{"prompt": b"a red circle"}] * 8, 4, rows=[2, 4])
     with pytest.raises(ValueError, match="Unknown split 'test'"):
         shapes_tfds.load_split(None, "test", SETTINGS)
     with pytest.raises(ValueError, match="images_per_prompt must be at least 1"):
