@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from g2rpo_jax import checkpoint, config_lib, parallel, storage
-from g2rpo_jax.models import flux
+from g2rpo_jax.models import flux, flux_weights
 
 _CONFIG = config_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (created if missing).")
@@ -33,8 +33,9 @@ def _build_model(config, mesh, rules) -> flux.Flux:
     """From the checkpoint if the config names one (straight into shardings), else random."""
     if config.model.checkpoint:
         execution = config_lib.execution_fields(config.model)
-        return flux.from_pretrained(storage.local(config.model.checkpoint, parts=("transformer",)),
-                                    mesh=mesh, rules=rules, **execution)
+        return flux_weights.from_pretrained(
+            storage.local(config.model.checkpoint, parts=("transformer",)), mesh=mesh, rules=rules,
+            **execution)
     return flux.init_sharded(config_lib.to_flux_config(config.model), mesh, config.seed, rules)
 
 

@@ -37,7 +37,7 @@ def transformer_dims(checkpoint: str) -> tuple[int, int] | None:
     or None when no transformer is configured (then nothing is checked)."""
     if not checkpoint:
         return None
-    from g2rpo_jax.models import flux
+    from g2rpo_jax.models import flux, flux_weights
 
     if storage.is_remote(checkpoint):
         # A diffusers folder's config.json is read in place: the weights are not needed here.
@@ -47,7 +47,7 @@ def transformer_dims(checkpoint: str) -> tuple[int, int] | None:
                 cfg = flux.FluxConfig.from_dict(json.loads(storage.path(config_file).read_text()))
                 return cfg.joint_attention_dim, cfg.pooled_projection_dim
         checkpoint = storage.local(checkpoint)   # a BFL single file
-    cfg = flux.load_config(checkpoint)
+    cfg = flux_weights.load_config(checkpoint)
     return cfg.joint_attention_dim, cfg.pooled_projection_dim
 
 

@@ -20,7 +20,7 @@ import torch
 from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import evaluate, parallel, preprocess, train
 from g2rpo_jax.data import embedding_dataset
-from g2rpo_jax.models import clip_text, flux, t5
+from g2rpo_jax.models import clip_text, flux_weights, t5
 from g2rpo_jax.testing import flux_fixture, flux_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,7 +136,7 @@ def test_one_iteration_end_to_end(run, mesh):
         assert row["train/first_update_log_ratio_abs_max"] < 1e-5
     assert set(report["base"]) == set(report["final"]) == {"hps", "clip_score", "pickscore"}
     # The checkpoint holds parameters that moved away from the starting transformer.
-    base = nnx.state(flux.from_pretrained(config.model.checkpoint, mesh=mesh))
+    base = nnx.state(flux_weights.from_pretrained(config.model.checkpoint, mesh=mesh))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), base)
     trained = checkpoint_lib.restore_params(checkpoint_lib.find_step(workdir), abstract,
                                             jax.tree.map(lambda x: x.sharding, base))

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from g2rpo_jax import parallel, storage
-from g2rpo_jax.models import clip_text, t5
+from g2rpo_jax.models import clip_text, t5, t5_weights
 
 # The subfolders of a FLUX.1 repo that hold its text encoders and their tokenizers.
 ENCODER_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -96,7 +96,7 @@ class TextEncoders:
         self.t5_max_length, self.clip_max_length = t5_max_length, clip_max_length
         self._t5_tokenizer = t5.load_tokenizer(folder)
         self._clip_tokenizer = clip_text.load_tokenizer(folder)
-        t5_model = t5.from_pretrained(folder, dtype, mesh=self.mesh)
+        t5_model = t5_weights.from_pretrained(folder, dtype, mesh=self.mesh)
         clip_model = clip_text.from_pretrained(folder, dtype, mesh=self.mesh)
         if clip_max_length > clip_model.tc.context_length:
             raise ValueError(f"clip_max_length {clip_max_length} exceeds the CLIP text model's "

@@ -16,31 +16,27 @@ FLUX's latent convention (diffusers' FluxPipeline): the transformer sees
 vae.decode(latents / scaling_factor + shift_factor). Pixels are [0, 1] outside and [-1, 1]
 inside the VAE.
 
-  ae = from_pretrained("FLUX.1-dev/vae")               # or the FLUX.1-dev folder itself
-  latents = ae.encode(images)                          # [B, H, W, 3] → [B, H/8, W/8, 16]
-  images = ae.decode(latents)                          # → [B, H, W, 3] in [0, 1]
-  packed = ae.at(1024, 1024)                           # PixelAutoencoder's packed interface
+  ae = autoencoder_weights.from_pretrained("FLUX.1-dev/vae")  # or the FLUX.1-dev folder itself
+  latents = ae.encode(images)                                 # [B, H, W, 3] → [B, H/8, W/8, 16]
+  images = ae.decode(latents)                                 # → [B, H, W, 3] in [0, 1]
+  packed = ae.at(1024, 1024)                                  # PixelAutoencoder's interface
 """
 
 from collections.abc import Mapping
 import dataclasses
 import functools
-import json
 import math
-import os
 from typing import Any
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from g2rpo_jax.models import packing, weights
+from g2rpo_jax.models import execution, packing
 from g2rpo_jax.models.attention import IMPLEMENTATIONS, dot_product_attention
-from g2rpo_jax.models.flux import to_dtype
-from g2rpo_jax.parallel import sharding as sharding_lib
 
 __all__ = ["AutoencoderConfig", "Autoencoder", "PackedAutoencoder", "Encoder", "Decoder",
-           "count_params", "from_pretrained", "abstract_model"]
+           "count_params", "abstract_model"]
 
 # diffusers builds every VAE GroupNorm (ResNets, attention, output) with eps 1e-6.
 _NORM_EPS = 1e-6
@@ -89,7 +85,7 @@ class AutoencoderConfig:
         if self.attention_impl not in IMPLEMENTATIONS:
             raise ValueError(f"Unknown attention_impl {self.attention_impl!r}; use one of "
                              f"{IMPLEMENTATIONS}.")
-        to_dtype(self.dtype), to_dtype(self.param_dtype)
+        execution.to_dtype(self.dtype), execution.to_dtype(self.param_dtype)
 
     @property
     def downsample_factor(self) -> int:
@@ -127,12 +123,12 @@ class AutoencoderConfig:
 def _conv(in_ch: int, out_ch: int, kernel: int, cfg: AutoencoderConfig, rngs: nnx.Rngs,
           stride: int = 1, padding: Any = "SAME") -> nnx.Conv:
     return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=(stride, stride), padding=padding,
-                    dtype=to_dtype(cfg.dtype), param_dtype=to_dtype(cfg.param_dtype), rngs=rngs)
+                    dtype=execution.to_dtype(cfg.dtype), param_dtype=execution.to_dtype(cfg.param_dtype), rngs=rngs)
 
 
 def _linear(features: int, cfg: AutoencoderConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(features, features, dtype=to_dtype(cfg.dtype),
-                      param_dtype=to_dtype(cfg.param_dtype), rngs=rngs)
+    return nnx.Linear(features, features, dtype=execution.to_dtype(cfg.dtype),
+                      param_dtype=execution.to_dtype(cfg.param_dtype), rngs=rngs)
 
 
 class GroupNorm(nnx.Module):
@@ -142,8 +138,8 @@ class GroupNorm(nnx.Module):
 
     def __init__(self, channels: int, cfg: AutoencoderConfig):
         self.groups = cfg.norm_num_groups
-        self.scale = nnx.Param(jnp.ones((channels,), to_dtype(cfg.param_dtype)))
-        self.bias = nnx.Param(jnp.zeros((channels,), to_dtype(cfg.param_dtype)))
+        self.scale = nnx.Param(jnp.ones((channels,), execution.to_dtype(cfg.param_dtype)))
+        self.bias = nnx.Param(jnp.zeros((channels,), execution.to_dtype(cfg.param_dtype)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [B, ..., C] → same shape and dtype."""
@@ -280,7 +276,7 @@ class Encoder(nnx.Module):
         self.mid_block = MidBlock2D(widths[-1], cfg, rngs)
         self.conv_norm_out = GroupNorm(widths[-1], cfg)
         self.conv_out = _conv(widths[-1], 2 * cfg.latent_channels, 3, cfg, rngs)
-        self.dtype = to_dtype(cfg.dtype)
+        self.dtype = execution.to_dtype(cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.conv_in(x.astype(self.dtype))
@@ -305,7 +301,7 @@ class Decoder(nnx.Module):
             for i, width in enumerate(widths)])
         self.conv_norm_out = GroupNorm(widths[-1], cfg)
         self.conv_out = _conv(widths[-1], cfg.out_channels, 3, cfg, rngs)
-        self.dtype = to_dtype(cfg.dtype)
+        self.dtype = execution.to_dtype(cfg.dtype)
 
     def __call__(self, z: jax.Array) -> jax.Array:
         x = self.mid_block(self.conv_in(z.astype(self.dtype)))
@@ -487,119 +483,3 @@ def count_params(cfg: AutoencoderConfig, component: str | None = None) -> int:
     if component not in counts:
         raise ValueError(f"Unknown component {component!r}; use one of {_COMPONENTS}.")
     return counts[component]
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: diffusers `vae/` folders.
-
-# diffusers' attention names before 0.15 (`_convert_deprecated_attention_blocks`) → current.
-_LEGACY_ATTENTION = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out": "proj_attn"}
-_LEAF_NAMES = {"kernel": "weight", "scale": "weight", "bias": "bias"}
-_LAYOUT_NOTE = ("(conv kernels are shown in our layout [kH, kW, C_in, C_out]; PyTorch stores "
-                "[C_out, C_in, kH, kW])")
-
-
-class _ChannelsLastView:
-    """A checkpoint as our layout sees it: 4-D conv weights [O, I, kH, kW] appear as
-    [kH, kW, I, O] (a lazy transposed view of the memory map), everything else unchanged."""
-
-    def __init__(self, checkpoint: weights.SafetensorsCheckpoint):
-        self._checkpoint = checkpoint
-        self.path = checkpoint.path
-
-    def keys(self) -> list[str]:
-        return self._checkpoint.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._checkpoint
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        shape = tuple(self._checkpoint.shape(key))
-        return (shape[2], shape[3], shape[1], shape[0]) if len(shape) == 4 else shape
-
-    def array(self, key: str):
-        array = self._checkpoint.array(key)
-        return array.transpose(2, 3, 1, 0) if array.ndim == 4 else array
-
-
-def _source_fn(checkpoint):
-    """Our parameter path → its TensorSource in a diffusers AutoencoderKL state dict."""
-
-    def source(path: tuple[str, ...]) -> weights.TensorSource:
-        *module, leaf = path
-        name = ".".join(module)
-        if module and module[-1] in _LEGACY_ATTENTION:
-            prefix = ".".join(module[:-1])
-            current = f"{prefix}.{module[-1]}" + (".0" if module[-1] == "to_out" else "")
-            legacy = f"{prefix}.{_LEGACY_ATTENTION[module[-1]]}"
-            suffix = _LEAF_NAMES[leaf]
-            if f"{current}.{suffix}" not in checkpoint and f"{legacy}.{suffix}" in checkpoint:
-                current = legacy
-            # Linear weights are PyTorch [out, in]; nnx.Linear's kernel is [in, out].
-            return weights.TensorSource(f"{current}.{suffix}", transpose=leaf == "kernel")
-        return weights.TensorSource(f"{name}.{_LEAF_NAMES[leaf]}")
-
-    return source
-
-
-def _read_config(path: str) -> dict:
-    config_file = os.path.join(path, "config.json")
-    if not os.path.exists(config_file):
-        raise FileNotFoundError(f"{path} has no config.json: expected a diffusers vae/ folder "
-                                "(config.json + diffusion_pytorch_model.safetensors).")
-    with open(config_file) as f:
-        values = json.load(f)
-    if values.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-        raise ValueError(f"{config_file} describes a {values['_class_name']}, not an "
-                         "AutoencoderKL.")
-    return values
-
-
-def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
-                    mesh: jax.sharding.Mesh | None = None, **config_overrides) -> Autoencoder:
-    """Loads a diffusers AutoencoderKL (e.g. FLUX.1-dev's `vae/`).
-
-    Args:
-      path: a diffusers `vae/` folder (config.json + diffusion_pytorch_model.safetensors, a
-        sharded index too), a model folder that contains `vae/`, or a single safetensors file
-        with diffusers' keys (the config then comes from the defaults, FLUX.1-dev's, and the
-        overrides).
-      dtype: the activations' (compute) dtype, e.g. "bfloat16"; None keeps float32. The
-        parameters' dtype is `param_dtype` (default float32; the file's dtype is cast to it).
-      mesh: if given, every parameter is placed replicated on this mesh (the VAE is small:
-        84M parameters); otherwise on the default device.
-      **config_overrides: AutoencoderConfig fields (e.g. param_dtype="bfloat16").
-
-    Raises:
-      FileNotFoundError: no checkpoint at path.
-      weights.CheckpointMismatchError: missing, unexpected or mis-shaped tensors, by name.
-    """
-    path = os.fspath(path)
-    if dtype is not None:
-        config_overrides["dtype"] = dtype
-    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "vae")):
-        path = os.path.join(path, "vae")
-    if os.path.isdir(path):
-        values = _read_config(path)
-        checkpoint = weights.SafetensorsCheckpoint(path, prefix="diffusion_pytorch_model")
-    elif os.path.isfile(path):
-        values = {}
-        checkpoint = weights.SafetensorsCheckpoint(path)
-    else:
-        raise FileNotFoundError(f"No autoencoder checkpoint at {path}: give a diffusers vae/ "
-                                "folder or a folder that contains vae/.")
-    if "encoder.down.0.block.0.norm1.weight" in checkpoint:
-        raise weights.CheckpointMismatchError(
-            f"{checkpoint.path} is in the original (LDM / BFL ae.safetensors) key layout, which "
-            "this loader does not read; use the diffusers vae/ folder of the same model.")
-    values.update(config_overrides)
-    cfg = AutoencoderConfig.from_dict(values)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg))
-    # No logical axes on any parameter: state_shardings replicates them all.
-    shardings = sharding_lib.state_shardings(abstract_state, mesh) if mesh is not None else None
-    try:
-        state = weights.load_state(_ChannelsLastView(checkpoint), abstract_state,
-                                   _source_fn(checkpoint), shardings)
-    except weights.CheckpointMismatchError as e:
-        raise weights.CheckpointMismatchError(f"{e}\n{_LAYOUT_NOTE}") from None
-    return nnx.merge(graphdef, state)

@@ -1,6 +1,6 @@
 """FLUX.1's CLIP text encoder (`text_encoder/`, a transformers CLIPTextModel) and its tokenizer.
 
-A thin layer over `models.clip` (the one CLIP implementation):
+A thin layer over `models.clip` (the one CLIP implementation) and `models.clip_weights`:
 
   model = from_pretrained("<FLUX.1-dev>/text_encoder")   # or the FLUX.1-dev folder itself
   tokenizer = load_tokenizer("<FLUX.1-dev>/tokenizer")
@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from g2rpo_jax.models import clip
+from g2rpo_jax.models import clip, clip_weights
 from g2rpo_jax.parallel import sharding as sharding_lib
 
 CONTEXT_LENGTH = 77
@@ -32,15 +32,15 @@ def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
 
     Args:
       path: a transformers CLIPTextModel folder (FLUX.1-dev's `text_encoder/`), a folder that
-        contains `text_encoder/`, or any CLIP checkpoint `clip.from_pretrained` reads (its text
-        tower is taken, the rest ignored).
-      dtype, mesh, rules, **overrides: as for `clip.from_pretrained`.
+        contains `text_encoder/`, or any CLIP checkpoint `clip_weights.from_pretrained` reads
+        (its text tower is taken, the rest ignored).
+      dtype, mesh, rules, **overrides: as for `clip_weights.from_pretrained`.
     """
     path = Path(os.fspath(path))
     if path.is_dir() and (path / "text_encoder").is_dir():
         path = path / "text_encoder"
-    model = clip.from_pretrained(path, towers=("text",), dtype=dtype, mesh=mesh, rules=rules,
-                                 **overrides)
+    model = clip_weights.from_pretrained(path, towers=("text",), dtype=dtype, mesh=mesh,
+                                         rules=rules, **overrides)
     return model.text_model
 
 

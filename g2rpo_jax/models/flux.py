@@ -11,13 +11,12 @@ Call signature (shared by every model the samplers use):
   model(img [B, N, C], img_ids [B, N, 3] | [N, 3], txt [B, T, D_txt], txt_ids [B, T, 3] | [T, 3],
         timesteps [B] in [0, 1], y [B, P], guidance [B] | None) -> velocity [B, N, C_out]
 Timesteps and guidance are unscaled (the model multiplies them by 1000), as in diffusers.
+Weights of public checkpoints (diffusers, BFL) load with `models.flux_weights`.
 """
 
 from collections.abc import Mapping
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
 from flax import nnx
@@ -25,27 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rpo_jax.models import weights
+from g2rpo_jax.models import execution
 from g2rpo_jax.models.attention import dot_product_attention
 from g2rpo_jax.parallel import sharding as sharding_lib
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def to_dtype(name: str | Any) -> Any:
-    """A dtype from its config name ("float32", "bfloat16", "float16"); dtypes pass through."""
-    if isinstance(name, str):
-        if name not in _DTYPES:
-            raise ValueError(f"Unknown dtype {name!r}; use one of {sorted(_DTYPES)}.")
-        return _DTYPES[name]
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +59,8 @@ class FluxConfig:
                              f"{self.attention_head_dim}.")
         if any(a % 2 for a in self.axes_dims_rope):
             raise ValueError(f"Every RoPE axis dim must be even, got {self.axes_dims_rope}.")
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"Unknown remat_policy {self.remat_policy!r}; use one of "
-                             f"{sorted(REMAT_POLICIES)}.")
-        to_dtype(self.dtype), to_dtype(self.param_dtype)
+        execution.check_remat_policy(self.remat_policy)
+        execution.to_dtype(self.dtype), execution.to_dtype(self.param_dtype)
 
     @property
     def hidden_size(self) -> int:
@@ -174,8 +153,8 @@ def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
 def _linear(in_features: int, out_features: int, axes: tuple[str | None, str | None],
             cfg: FluxConfig, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
     return nnx.Linear(
-        in_features, out_features, use_bias=use_bias, dtype=to_dtype(cfg.dtype),
-        param_dtype=to_dtype(cfg.param_dtype), rngs=rngs,
+        in_features, out_features, use_bias=use_bias, dtype=execution.to_dtype(cfg.dtype),
+        param_dtype=execution.to_dtype(cfg.param_dtype), rngs=rngs,
         kernel_init=nnx.initializers.xavier_uniform(),
         kernel_metadata={"logical_axes": axes}, bias_metadata={"logical_axes": (axes[1],)})
 
@@ -184,7 +163,7 @@ class QKNorm(nnx.Module):
     """RMSNorm over the head dim with a learned scale [D] (FLUX's QK norm), in float32."""
 
     def __init__(self, head_dim: int, cfg: FluxConfig, eps: float = 1e-6):
-        self.scale = nnx.Param(jnp.ones((head_dim,), to_dtype(cfg.param_dtype)),
+        self.scale = nnx.Param(jnp.ones((head_dim,), execution.to_dtype(cfg.param_dtype)),
                                logical_axes=("head_dim",))
         self.eps = eps
 
@@ -314,36 +293,6 @@ class SingleStreamBlock(nnx.Module):
         return x + gate * (self.out_attn(attn) + self.out_mlp(mlp))
 
 
-def _stacked(block_cls, count: int, cfg: FluxConfig, rngs: nnx.Rngs):
-    """`count` blocks with parameters stacked on a leading "layers" axis."""
-
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0,
-              transform_metadata={nnx.PARTITION_NAME: None, "logical_axes": "layers"})
-    def make(rngs):
-        return block_cls(cfg, rngs)
-
-    return make(rngs)
-
-
-def _run_stack(stack: nnx.Module, carry, consts, num_layers: int, scan: bool, remat_policy: str):
-    """Applies the stacked blocks in order: carry = block_l(*carry, *consts) for l < num_layers."""
-    graphdef, state = nnx.split(stack)
-
-    def body(carry, layer_state):
-        out = nnx.merge(graphdef, layer_state)(*carry, *consts)
-        return (out if isinstance(out, tuple) else (out,)), None
-
-    if remat_policy != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy], prevent_cse=not scan)
-    if scan:
-        carry, _ = jax.lax.scan(body, carry, state)
-    else:
-        for layer in range(num_layers):
-            carry, _ = body(carry, jax.tree.map(lambda a, layer=layer: a[layer], state))
-    return carry
-
-
 class Flux(nnx.Module):
     """The FLUX.1 transformer. See the module docstring for the call signature."""
 
@@ -357,8 +306,10 @@ class Flux(nnx.Module):
         self.guidance_in = MLPEmbedder(256, cfg, rngs) if cfg.guidance_embeds else None
         self.vector_in = MLPEmbedder(cfg.pooled_projection_dim, cfg, rngs)
         self.txt_in = _linear(cfg.joint_attention_dim, d, ("input", "embed"), cfg, rngs)
-        self.double_blocks = _stacked(DoubleStreamBlock, cfg.num_layers, cfg, rngs)
-        self.single_blocks = _stacked(SingleStreamBlock, cfg.num_single_layers, cfg, rngs)
+        self.double_blocks = execution.stacked(lambda r: DoubleStreamBlock(cfg, r),
+                                               cfg.num_layers, rngs)
+        self.single_blocks = execution.stacked(lambda r: SingleStreamBlock(cfg, r),
+                                               cfg.num_single_layers, rngs)
         self.final_mod = Modulation(2, cfg, rngs)
         self.proj_out = _linear(d, cfg.output_channels, ("embed", None), cfg, rngs)
 
@@ -366,7 +317,7 @@ class Flux(nnx.Module):
                  timesteps: jax.Array, y: jax.Array, guidance: jax.Array | None = None) -> jax.Array:
         """Predicts the flow velocity [B, N, C_out] (see the module docstring)."""
         cfg, rules = self.cfg, self.rules
-        dtype = to_dtype(cfg.dtype)
+        dtype = execution.to_dtype(cfg.dtype)
         batch = img.shape[0]
         if guidance is None and cfg.guidance_embeds:
             raise ValueError("This FLUX model has guidance embeddings (guidance_embeds=True): pass "
@@ -391,11 +342,11 @@ class Flux(nnx.Module):
             t, ("batch", "length", "act_embed"), rules)
         img = constrain(self.img_in(img.astype(dtype)))
         txt = constrain(self.txt_in(txt.astype(dtype)))
-        img, txt = _run_stack(self.double_blocks, (img, txt), (vec, cos, sin, rules),
-                              cfg.num_layers, cfg.scan_layers, cfg.remat_policy)
+        img, txt = execution.run_stacked(self.double_blocks, (img, txt), (vec, cos, sin, rules),
+                                         cfg.num_layers, cfg.scan_layers, cfg.remat_policy)
         x = jnp.concatenate([txt, img], axis=1)
-        (x,) = _run_stack(self.single_blocks, (x,), (vec, cos, sin, rules),
-                          cfg.num_single_layers, cfg.scan_layers, cfg.remat_policy)
+        (x,) = execution.run_stacked(self.single_blocks, (x,), (vec, cos, sin, rules),
+                                     cfg.num_single_layers, cfg.scan_layers, cfg.remat_policy)
         img = x[:, txt.shape[1]:]
         shift, scale = self.final_mod(vec)
         return self.proj_out(modulate(img, shift, scale))
@@ -440,229 +391,4 @@ def init_sharded(cfg: FluxConfig, mesh: jax.sharding.Mesh, seed: int = 0,
         return nnx.state(Flux(cfg, rngs=nnx.Rngs(seed), rules=rules))
 
     state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: diffusers `transformer/` folders and BFL single files.
-
-Source = weights.TensorSource
-
-
-def _linear_sources(prefix: str, rows=None, cols=None, bias=True) -> dict[str, Source]:
-    out = {"kernel": Source(f"{prefix}.weight", rows=rows, cols=cols, transpose=True)}
-    if bias:
-        out["bias"] = Source(f"{prefix}.bias", rows=rows)
-    return out
-
-
-def _diffusers_key_map(cfg: FluxConfig):
-    """Our parameter path → diffusers FluxTransformer2DModel state-dict key(s)."""
-    d, m = cfg.hidden_size, cfg.mlp_hidden_dim
-    top = {
-        "img_in": _linear_sources("x_embedder"),
-        "time_in.in_layer": _linear_sources("time_text_embed.timestep_embedder.linear_1"),
-        "time_in.out_layer": _linear_sources("time_text_embed.timestep_embedder.linear_2"),
-        "guidance_in.in_layer": _linear_sources("time_text_embed.guidance_embedder.linear_1"),
-        "guidance_in.out_layer": _linear_sources("time_text_embed.guidance_embedder.linear_2"),
-        "vector_in.in_layer": _linear_sources("time_text_embed.text_embedder.linear_1"),
-        "vector_in.out_layer": _linear_sources("time_text_embed.text_embedder.linear_2"),
-        "txt_in": _linear_sources("context_embedder"),
-        # Our final modulation is (shift, scale) like BFL; diffusers stores (scale, shift).
-        "final_mod.lin": _linear_sources("norm_out.linear", rows=((d, 2 * d), (0, d))),
-        "proj_out": _linear_sources("proj_out"),
-    }
-
-    def double(layer: int) -> dict[str, dict[str, Source]]:
-        p = f"transformer_blocks.{layer}"
-        return {
-            "img_mod.lin": _linear_sources(f"{p}.norm1.linear"),
-            "txt_mod.lin": _linear_sources(f"{p}.norm1_context.linear"),
-            "img_attn.q": _linear_sources(f"{p}.attn.to_q"),
-            "img_attn.k": _linear_sources(f"{p}.attn.to_k"),
-            "img_attn.v": _linear_sources(f"{p}.attn.to_v"),
-            "img_attn.norm_q": {"scale": Source(f"{p}.attn.norm_q.weight")},
-            "img_attn.norm_k": {"scale": Source(f"{p}.attn.norm_k.weight")},
-            "txt_attn.q": _linear_sources(f"{p}.attn.add_q_proj"),
-            "txt_attn.k": _linear_sources(f"{p}.attn.add_k_proj"),
-            "txt_attn.v": _linear_sources(f"{p}.attn.add_v_proj"),
-            "txt_attn.norm_q": {"scale": Source(f"{p}.attn.norm_added_q.weight")},
-            "txt_attn.norm_k": {"scale": Source(f"{p}.attn.norm_added_k.weight")},
-            "img_out": _linear_sources(f"{p}.attn.to_out.0"),
-            "txt_out": _linear_sources(f"{p}.attn.to_add_out"),
-            "img_mlp.fc1": _linear_sources(f"{p}.ff.net.0.proj"),
-            "img_mlp.fc2": _linear_sources(f"{p}.ff.net.2"),
-            "txt_mlp.fc1": _linear_sources(f"{p}.ff_context.net.0.proj"),
-            "txt_mlp.fc2": _linear_sources(f"{p}.ff_context.net.2"),
-        }
-
-    def single(layer: int) -> dict[str, dict[str, Source]]:
-        p = f"single_transformer_blocks.{layer}"
-        return {
-            "mod.lin": _linear_sources(f"{p}.norm.linear"),
-            "attn.q": _linear_sources(f"{p}.attn.to_q"),
-            "attn.k": _linear_sources(f"{p}.attn.to_k"),
-            "attn.v": _linear_sources(f"{p}.attn.to_v"),
-            "attn.norm_q": {"scale": Source(f"{p}.attn.norm_q.weight")},
-            "attn.norm_k": {"scale": Source(f"{p}.attn.norm_k.weight")},
-            "mlp_in": _linear_sources(f"{p}.proj_mlp"),
-            "out_attn": _linear_sources(f"{p}.proj_out", cols=(0, d)),
-            "out_mlp": _linear_sources(f"{p}.proj_out", cols=(d, d + m), bias=False),
-        }
-
-    return top, double, single
-
-
-def _bfl_key_map(cfg: FluxConfig):
-    """Our parameter path → BFL `flux1-*.safetensors` key(s) (fused qkv, fused linear1/2)."""
-    d, m = cfg.hidden_size, cfg.mlp_hidden_dim
-    q_rows, k_rows, v_rows = ((0, d),), ((d, 2 * d),), ((2 * d, 3 * d),)
-    top = {
-        "img_in": _linear_sources("img_in"),
-        "time_in.in_layer": _linear_sources("time_in.in_layer"),
-        "time_in.out_layer": _linear_sources("time_in.out_layer"),
-        "guidance_in.in_layer": _linear_sources("guidance_in.in_layer"),
-        "guidance_in.out_layer": _linear_sources("guidance_in.out_layer"),
-        "vector_in.in_layer": _linear_sources("vector_in.in_layer"),
-        "vector_in.out_layer": _linear_sources("vector_in.out_layer"),
-        "txt_in": _linear_sources("txt_in"),
-        "final_mod.lin": _linear_sources("final_layer.adaLN_modulation.1"),
-        "proj_out": _linear_sources("final_layer.linear"),
-    }
-
-    def double(layer: int) -> dict[str, dict[str, Source]]:
-        p = f"double_blocks.{layer}"
-        out = {}
-        for stream in ("img", "txt"):
-            out.update({
-                f"{stream}_mod.lin": _linear_sources(f"{p}.{stream}_mod.lin"),
-                f"{stream}_attn.q": _linear_sources(f"{p}.{stream}_attn.qkv", rows=q_rows),
-                f"{stream}_attn.k": _linear_sources(f"{p}.{stream}_attn.qkv", rows=k_rows),
-                f"{stream}_attn.v": _linear_sources(f"{p}.{stream}_attn.qkv", rows=v_rows),
-                f"{stream}_attn.norm_q": {"scale": Source(f"{p}.{stream}_attn.norm.query_norm.scale")},
-                f"{stream}_attn.norm_k": {"scale": Source(f"{p}.{stream}_attn.norm.key_norm.scale")},
-                f"{stream}_out": _linear_sources(f"{p}.{stream}_attn.proj"),
-                f"{stream}_mlp.fc1": _linear_sources(f"{p}.{stream}_mlp.0"),
-                f"{stream}_mlp.fc2": _linear_sources(f"{p}.{stream}_mlp.2"),
-            })
-        return out
-
-    def single(layer: int) -> dict[str, dict[str, Source]]:
-        p = f"single_blocks.{layer}"
-        return {
-            "mod.lin": _linear_sources(f"{p}.modulation.lin"),
-            "attn.q": _linear_sources(f"{p}.linear1", rows=q_rows),
-            "attn.k": _linear_sources(f"{p}.linear1", rows=k_rows),
-            "attn.v": _linear_sources(f"{p}.linear1", rows=v_rows),
-            "attn.norm_q": {"scale": Source(f"{p}.norm.query_norm.scale")},
-            "attn.norm_k": {"scale": Source(f"{p}.norm.key_norm.scale")},
-            "mlp_in": _linear_sources(f"{p}.linear1", rows=((3 * d, 3 * d + m),)),
-            "out_attn": _linear_sources(f"{p}.linear2", cols=(0, d)),
-            "out_mlp": _linear_sources(f"{p}.linear2", cols=(d, d + m), bias=False),
-        }
-
-    return top, double, single
-
-
-def _source_fn(key_map):
-    top, double, single = key_map
-
-    def source(path: tuple[str, ...]):
-        *module, leaf = path
-        if module and module[0] in ("double_blocks", "single_blocks"):
-            per_layer = double if module[0] == "double_blocks" else single
-            name = ".".join(module[1:])
-            return lambda layer: per_layer(layer)[name][leaf]
-        return top[".".join(module)][leaf]
-
-    return source
-
-
-def bfl_config_from_checkpoint(checkpoint: "weights.SafetensorsCheckpoint", **overrides) -> FluxConfig:
-    """Infers a FluxConfig from a BFL single-file checkpoint's tensor shapes."""
-    keys = checkpoint.keys()
-
-    def count(prefix):
-        return len({k.split(".")[1] for k in keys if k.startswith(prefix + ".")})
-
-    hidden, in_channels = checkpoint.shape("img_in.weight")
-    head_dim = checkpoint.shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
-    inferred = dict(
-        in_channels=in_channels,
-        out_channels=checkpoint.shape("final_layer.linear.weight")[0],
-        num_layers=count("double_blocks"),
-        num_single_layers=count("single_blocks"),
-        attention_head_dim=head_dim,
-        num_attention_heads=hidden // head_dim,
-        joint_attention_dim=checkpoint.shape("txt_in.weight")[1],
-        pooled_projection_dim=checkpoint.shape("vector_in.in_layer.weight")[1],
-        guidance_embeds="guidance_in.in_layer.weight" in checkpoint,
-        mlp_ratio=checkpoint.shape("double_blocks.0.img_mlp.0.weight")[0] / hidden,
-    )
-    if head_dim == 128:  # FLUX.1 dev / schnell
-        inferred["axes_dims_rope"] = (16, 56, 56)
-    inferred.update(overrides)
-    if "axes_dims_rope" not in inferred:
-        raise ValueError(f"Cannot infer axes_dims_rope for head dim {head_dim} from a BFL file; "
-                         "pass axes_dims_rope=(...) (they sum to the head dim).")
-    return FluxConfig(**inferred)
-
-
-def _open_pretrained(path: str | os.PathLike, **config_overrides):
-    """(FluxConfig, checkpoint, "diffusers" | "bfl") of a checkpoint path (tensors not read)."""
-    path = os.fspath(path)
-    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "transformer")):
-        path = os.path.join(path, "transformer")
-    if os.path.isdir(path):
-        config_file = os.path.join(path, "config.json")
-        if not os.path.exists(config_file):
-            raise FileNotFoundError(f"{path} has no config.json: expected a diffusers transformer/ "
-                                    "folder (config.json + diffusion_pytorch_model*.safetensors).")
-        with open(config_file) as f:
-            values = json.load(f)
-        values.update(config_overrides)
-        return FluxConfig.from_dict(values), weights.SafetensorsCheckpoint(path), "diffusers"
-    if os.path.isfile(path):
-        checkpoint = weights.SafetensorsCheckpoint(path)
-        return bfl_config_from_checkpoint(checkpoint, **config_overrides), checkpoint, "bfl"
-    raise FileNotFoundError(f"No FLUX checkpoint at {path}: give a diffusers transformer/ "
-                            "folder or a BFL flux1-*.safetensors file.")
-
-
-def load_config(path: str | os.PathLike, **config_overrides) -> FluxConfig:
-    """The FluxConfig of a checkpoint (as `from_pretrained` reads it), without its weights."""
-    return _open_pretrained(path, **config_overrides)[0]
-
-
-def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
-                    mesh: jax.sharding.Mesh | None = None, rules=sharding_lib.DEFAULT_RULES,
-                    **config_overrides) -> Flux:
-    """Loads FLUX weights from a diffusers folder or a BFL single file, straight into shardings.
-
-    Args:
-      path: a diffusers `transformer/` folder (config.json + safetensors, sharded index too), a
-        model folder that contains `transformer/`, or BFL's single `flux1-*.safetensors` file.
-      dtype: the activations' (compute) dtype, e.g. "bfloat16"; None keeps float32. The
-        parameters' dtype is `param_dtype` (default float32; the file's dtype is cast to it).
-      mesh: if given, each parameter is assembled directly into its NamedSharding on this mesh,
-        each device reading only its own slice (no full replica anywhere); otherwise the
-        parameters go to the default device.
-      rules: logical axis rules for the shardings.
-      **config_overrides: FluxConfig fields to set (e.g. param_dtype="bfloat16",
-        scan_layers=False, remat_policy="full").
-
-    Raises:
-      FileNotFoundError: no checkpoint at path.
-      weights.CheckpointMismatchError: a missing, unexpected or mis-shaped tensor (named).
-    """
-    if dtype is not None:
-        config_overrides["dtype"] = dtype
-    cfg, checkpoint, layout = _open_pretrained(path, **config_overrides)
-    key_map = _diffusers_key_map(cfg) if layout == "diffusers" else _bfl_key_map(cfg)
-    if mesh is not None:
-        validate_mesh(cfg, mesh)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, rules))
-    shardings = (sharding_lib.state_shardings(abstract_state, mesh, sharding_lib.rules_from_config(rules))
-                 if mesh is not None else None)
-    state = weights.load_state(checkpoint, abstract_state, _source_fn(key_map), shardings)
     return nnx.merge(graphdef, state)

@@ -1,23 +1,29 @@
-"""Torch-free, lazy reader (and small writer) for the safetensors format.
+"""safetensors checkpoints as lazy, zero-copy numpy views; atomic writes.
 
-File layout (https://github.com/huggingface/safetensors)::
+Format (https://github.com/huggingface/safetensors): [8 bytes: N, little-endian u64][N bytes:
+JSON header][data]. The header maps each tensor name to {"dtype", "shape", "data_offsets"}
+([begin, end) in the data region) and may hold "__metadata__" (str → str).
 
-    [8 bytes: N, little-endian u64][N bytes: JSON header][data region]
+Writing is the `safetensors` library's (`safetensors.numpy.save_file`). Reading is ours, for
+what the library (0.8) cannot do:
 
-The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets"}``
-(offsets are ``[begin, end)`` relative to the start of the data region) and may
-carry a ``"__metadata__"`` dict of string -> string.
+* sharded checkpoints: a folder with a `*.safetensors.index.json` (diffusers' and
+  transformers' `*-0000x-of-0000y.safetensors`), or a folder of files merged; `safe_open`
+  opens one file;
+* zero-copy views: `SafetensorsCheckpoint.array` is a read-only `numpy.memmap` of the tensor's
+  bytes, so a 12B model is placed on devices slice by slice, each device reading only the
+  bytes of its shard, through any numpy indexing (rows picked from a fused qkv matrix, a
+  transposed conv kernel). `safe_open`'s `get_tensor` copies the whole tensor, `get_slice`
+  takes only slices and ints, and neither hands out the data offsets a memmap needs, hence
+  the small header parser here;
+* float8 and zero-size tensors, which `safe_open(framework="np")` fails to read;
+* errors that name the file and the tensor: a missing key with its closest matches, a
+  truncated or corrupted file with what is wrong where.
 
-:class:`SafetensorsCheckpoint` parses only the headers up front and exposes
-tensors as read-only, zero-copy ``numpy.memmap`` views, so slicing a view reads
-only the bytes it touches. This lets a 12B-parameter checkpoint be placed onto
-devices tensor-by-tensor (or slice-by-slice) without ever holding a full copy in
-host memory. It understands
-
-* single files (``flux1-dev.safetensors``, ``model.safetensors``),
-* sharded folders with an index (``diffusion_pytorch_model.safetensors.index.json``
-  / ``model.safetensors.index.json`` + ``*-0000x-of-0000y.safetensors``),
-* folders without an index (all ``*.safetensors`` files in it are merged).
+`write_safetensors` adds what `save_file` leaves to the caller: the write is atomic (temp file,
+fsync, rename), arrays are passed C-ordered (save_file writes an array's memory as it lies, so
+a Fortran-ordered one would come out transposed), and only dtypes this reader reads are
+written.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import safetensors.numpy
 
 __all__ = [
     "MissingTensorError",
@@ -44,8 +51,6 @@ __all__ = [
 
 # safetensors' own limit on the JSON header size (guards against garbage lengths).
 MAX_HEADER_SIZE = 100_000_000
-# The reference writer pads the header with spaces so the data region is 8-byte aligned.
-_HEADER_ALIGNMENT = 8
 
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
@@ -370,14 +375,6 @@ class SafetensorsCheckpoint:
         info = self._info(key)
         return _np_dtype(info.dtype_name, key, info.file)
 
-    def dtype_name(self, key: str) -> str:
-        """The safetensors dtype string ("BF16", "F32", ...)."""
-        return self._info(key).dtype_name
-
-    def nbytes(self, key: str) -> int:
-        info = self._info(key)
-        return info.end - info.begin
-
     def file_of(self, key: str) -> Path:
         """The file holding ``key``."""
         return self._info(key).file
@@ -406,17 +403,6 @@ class SafetensorsCheckpoint:
         raw = self._memmap(info.file)[info.begin : info.end]
         return raw.view(dt).reshape(info.shape)
 
-    def close(self) -> None:
-        """Drops the cached maps (views already handed out stay valid)."""
-        with self._lock:
-            self._maps.clear()
-
-    def __enter__(self) -> SafetensorsCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"SafetensorsCheckpoint({str(self.path)!r}, tensors={len(self._keys)}, files={len(self.files)})"
 
@@ -429,19 +415,14 @@ def write_safetensors(
 ) -> Path:
     """Writes ``tensors`` to a safetensors file, atomically (temp file + ``os.replace``).
 
-    Supports the reader's dtypes (incl. ``ml_dtypes.bfloat16`` / float8). Tensors
-    are stored in name order; ``metadata`` must map str to str. Returns the path.
+    Supports the reader's dtypes (incl. ``ml_dtypes.bfloat16`` / float8); ``metadata`` must
+    map str to str. Everything is checked before the file is touched. Returns the path.
     """
     path = Path(os.fspath(path))
     if metadata is not None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise TypeError("safetensors metadata must be a dict of str -> str")
-
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    arrays: list[np.ndarray] = []
-    offset = 0
+    arrays: dict[str, np.ndarray] = {}
     for key in sorted(tensors):
         if not isinstance(key, str) or key == "__metadata__":
             raise ValueError(f"invalid tensor name {key!r}")
@@ -452,30 +433,19 @@ def write_safetensors(
                 f"cannot write tensor {key!r}: dtype {arr.dtype} has no safetensors equivalent "
                 f"(supported: {', '.join(sorted(_DTYPES))})"
             )
-        # Little-endian, C order (np.ascontiguousarray would turn 0-d into 1-d).
-        arr = np.asarray(arr, dtype=_DTYPES[name], order="C")
-        header[key] = {
-            "dtype": name,
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-        arrays.append(arr)
-
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % _HEADER_ALIGNMENT)
+        # Little-endian and C order (np.ascontiguousarray would turn 0-d into 1-d).
+        arrays[key] = np.asarray(arr, dtype=_DTYPES[name], order="C")
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(len(header_bytes).to_bytes(8, "little"))
-            f.write(header_bytes)
-            for arr in arrays:
-                if arr.nbytes:
-                    f.write(arr.reshape(-1).view(np.uint8).data)
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(fd)
+        safetensors.numpy.save_file(arrays, tmp, metadata=dict(metadata) if metadata else None)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

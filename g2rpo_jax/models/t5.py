@@ -22,7 +22,6 @@ its prompt embeddings.
 from collections.abc import Mapping, Sequence
 import dataclasses
 import functools
-import json
 import math
 import os
 from typing import Any
@@ -32,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rpo_jax.models import weights
-from g2rpo_jax.models.flux import REMAT_POLICIES, to_dtype
+from g2rpo_jax.models import execution
 from g2rpo_jax.parallel import sharding as sharding_lib
 
 # transformers' ACT2FN names that T5 configs use; "gelu_new" is the tanh approximation.
@@ -84,10 +82,8 @@ class T5Config:
 
     def __post_init__(self):
         parse_feed_forward_proj(self.feed_forward_proj)
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"Unknown remat_policy {self.remat_policy!r}; use one of "
-                             f"{sorted(REMAT_POLICIES)}.")
-        to_dtype(self.dtype), to_dtype(self.param_dtype)
+        execution.check_remat_policy(self.remat_policy)
+        execution.to_dtype(self.dtype), execution.to_dtype(self.param_dtype)
 
     @property
     def inner_dim(self) -> int:
@@ -182,8 +178,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
 def _linear(in_features: int, out_features: int, axes: tuple[str | None, str | None],
             cfg: T5Config, rngs: nnx.Rngs) -> nnx.Linear:
     """A bias-free Linear (T5 has no biases anywhere) with logical axis names on its kernel."""
-    return nnx.Linear(in_features, out_features, use_bias=False, dtype=to_dtype(cfg.dtype),
-                      param_dtype=to_dtype(cfg.param_dtype), rngs=rngs,
+    return nnx.Linear(in_features, out_features, use_bias=False, dtype=execution.to_dtype(cfg.dtype),
+                      param_dtype=execution.to_dtype(cfg.param_dtype), rngs=rngs,
                       kernel_metadata={"logical_axes": axes})
 
 
@@ -191,10 +187,10 @@ class RMSNorm(nnx.Module):
     """T5LayerNorm with a learned scale [D] (initialised to 1)."""
 
     def __init__(self, cfg: T5Config):
-        self.scale = nnx.Param(jnp.ones((cfg.d_model,), to_dtype(cfg.param_dtype)),
+        self.scale = nnx.Param(jnp.ones((cfg.d_model,), execution.to_dtype(cfg.param_dtype)),
                                logical_axes=("embed",))
         self.eps = cfg.layer_norm_epsilon
-        self.dtype = to_dtype(cfg.dtype)
+        self.dtype = execution.to_dtype(cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.scale[...], self.eps, self.dtype)
@@ -259,36 +255,6 @@ class T5Block(nnx.Module):
         return sharding_lib.with_logical_constraint(x, ("batch", "length", "act_embed"), rules)
 
 
-def _stacked_blocks(cfg: T5Config, rngs: nnx.Rngs) -> T5Block:
-    """`num_layers` blocks with parameters stacked on a leading "layers" axis."""
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0,
-              transform_metadata={nnx.PARTITION_NAME: None, "logical_axes": "layers"})
-    def make(rngs):
-        return T5Block(cfg, rngs)
-
-    return make(rngs)
-
-
-def _run_blocks(blocks: T5Block, x: jax.Array, consts: tuple, cfg: T5Config) -> jax.Array:
-    """x = block_l(x, *consts) for every layer l in order (scanned, or unrolled for debugging)."""
-    graphdef, state = nnx.split(blocks)
-
-    def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, *consts), None
-
-    if cfg.remat_policy != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy],
-                              prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-        x, _ = jax.lax.scan(body, x, state)
-    else:
-        for layer in range(cfg.num_layers):
-            x, _ = body(x, jax.tree.map(lambda a, layer=layer: a[layer], state))
-    return x
-
-
 class T5Encoder(nnx.Module):
     """The T5 encoder stack. See the module docstring for the call signature."""
 
@@ -296,7 +262,7 @@ class T5Encoder(nnx.Module):
                  rules: tuple = sharding_lib.DEFAULT_RULES):
         self.cfg = cfg
         self.rules = sharding_lib.rules_from_config(rules)
-        param_dtype = to_dtype(cfg.param_dtype)
+        param_dtype = execution.to_dtype(cfg.param_dtype)
         # The vocabulary dim stays whole (there is no "vocab" rule); the model dim is FSDP-split.
         self.embedding = nnx.Param(
             nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), param_dtype),
@@ -307,7 +273,7 @@ class T5Encoder(nnx.Module):
                                          (cfg.relative_attention_num_buckets, cfg.num_heads),
                                          param_dtype),
             logical_axes=(None, "heads"))
-        self.layers = _stacked_blocks(cfg, rngs)
+        self.layers = execution.stacked(lambda r: T5Block(cfg, r), cfg.num_layers, rngs)
         self.final_norm = RMSNorm(cfg)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
@@ -331,7 +297,8 @@ class T5Encoder(nnx.Module):
         x = sharding_lib.with_logical_constraint(x, ("batch", "length", "act_embed"), rules)
         bias = position_bias(self.relative_attention_bias[...], input_ids.shape[1],
                              cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
-        x = _run_blocks(self.layers, x, (bias, mask, rules), cfg)
+        (x,) = execution.run_stacked(self.layers, (x,), (bias, mask, rules), cfg.num_layers,
+                                     cfg.scan_layers, cfg.remat_policy)
         return self.final_norm(x)
 
 
@@ -362,72 +329,10 @@ def validate_mesh(cfg: T5Config, mesh: jax.sharding.Mesh) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: transformers `T5EncoderModel` folders (FLUX.1-dev's `text_encoder_2/`).
-
-Source = weights.TensorSource
-
-# The tied input embedding is stored under one or both names; `shared` is the tie's source.
-EMBEDDING_KEYS = ("shared.weight", "encoder.embed_tokens.weight")
-# A full T5 (encoder-decoder) checkpoint also loads: like T5EncoderModel, ignore the rest.
-_IGNORED_PREFIXES = ("decoder.", "lm_head.")
+# Tokenizer (FLUX.1-dev's `tokenizer_2/`).
 
 
-class _CheckpointView:
-    """A checkpoint with some keys hidden (so load_state neither uses nor reports them)."""
-
-    def __init__(self, checkpoint: weights.SafetensorsCheckpoint, hidden: set[str]):
-        self._checkpoint = checkpoint
-        self._keys = [k for k in checkpoint.keys() if k not in hidden]
-        self._visible = set(self._keys)
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._visible
-
-    def __getattr__(self, name: str):  # path, shape, array, ...
-        return getattr(self._checkpoint, name)
-
-
-def _embedding_key(checkpoint) -> str:
-    for key in EMBEDDING_KEYS:
-        if key in checkpoint:
-            return key
-    # Let load_state report it as missing, with the expected shape.
-    return EMBEDDING_KEYS[0]
-
-
-def _source_fn(cfg: T5Config, embedding_key: str):
-    """Our parameter path → transformers T5EncoderModel state-dict key (PyTorch [out, in])."""
-    top = {
-        "embedding": Source(embedding_key),
-        "relative_attention_bias": Source(
-            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-        "final_norm.scale": Source("encoder.final_layer_norm.weight"),
-    }
-    ff_names = ("wi_0", "wi_1", "wo") if cfg.is_gated else ("wi", "wo")
-
-    def layer(index: int) -> dict[str, Source]:
-        attn, ff = f"encoder.block.{index}.layer.0", f"encoder.block.{index}.layer.1"
-        out = {"attn_norm.scale": Source(f"{attn}.layer_norm.weight"),
-               "ff_norm.scale": Source(f"{ff}.layer_norm.weight")}
-        for name in ("q", "k", "v", "o"):
-            out[f"attn.{name}.kernel"] = Source(f"{attn}.SelfAttention.{name}.weight", transpose=True)
-        for name in ff_names:
-            out[f"ff.{name}.kernel"] = Source(f"{ff}.DenseReluDense.{name}.weight", transpose=True)
-        return out
-
-    def source(path: tuple[str, ...]):
-        if path[0] == "layers":
-            name = ".".join(path[1:])
-            return lambda index: layer(index)[name]
-        return top[".".join(path)]
-
-    return source
-
-
-def _resolve_folder(path: str, subfolder: str, what: str, wanted: str) -> str:
+def resolve_folder(path: str, subfolder: str, what: str, wanted: str) -> str:
     """path itself, or path/subfolder when path is a whole FLUX repo; a clear error otherwise."""
     if os.path.isdir(os.path.join(path, subfolder)):
         return os.path.join(path, subfolder)
@@ -437,75 +342,9 @@ def _resolve_folder(path: str, subfolder: str, what: str, wanted: str) -> str:
     return path
 
 
-def load_config(path: str | os.PathLike, **overrides) -> T5Config:
-    """The T5Config of a transformers folder's config.json, with execution overrides."""
-    path = _resolve_folder(os.fspath(path), "text_encoder_2", "T5 encoder",
-                           "config.json + model*.safetensors")
-    config_file = os.path.join(path, "config.json")
-    if not os.path.exists(config_file):
-        raise FileNotFoundError(f"{path} has no config.json: expected a transformers T5 folder "
-                                "(config.json + model.safetensors or model.safetensors.index.json).")
-    with open(config_file) as f:
-        values = json.load(f)
-    model_type = values.get("model_type", "t5")
-    if model_type not in ("t5", "mt5"):
-        raise ValueError(f"{config_file} describes a {model_type!r} model, not T5 (model_type "
-                         "'t5'); this loader reads T5 v1.1 / mT5 encoders only.")
-    # transformers' "dtype" / "torch_dtype" is the STORAGE dtype; ours is the compute dtype,
-    # chosen by the caller (default float32), so the file's value must not leak into it.
-    values = {k: v for k, v in values.items() if k not in ("dtype", "torch_dtype")}
-    values.update(overrides)
-    return T5Config.from_dict(values)
-
-
-def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
-                    mesh: jax.sharding.Mesh | None = None, rules=sharding_lib.DEFAULT_RULES,
-                    **config_overrides) -> T5Encoder:
-    """Loads a transformers T5 encoder checkpoint, each parameter straight into its sharding.
-
-    Args:
-      path: a transformers folder (config.json + model.safetensors, or a sharded
-        model.safetensors.index.json), e.g. FLUX.1-dev's `text_encoder_2/`, or a folder that
-        contains `text_encoder_2/`.
-      dtype: the activations' (compute) dtype, e.g. "bfloat16"; None keeps float32. Parameters
-        are `param_dtype` (default float32; the file's dtype is cast to it).
-      mesh: if given, each parameter is assembled directly into its NamedSharding on this mesh
-        (each device reads only its slice); otherwise parameters go to the default device.
-      rules: logical axis rules for the shardings.
-      **config_overrides: T5Config fields to set (param_dtype="bfloat16", scan_layers=False, ...).
-
-    Raises:
-      FileNotFoundError: no checkpoint at path.
-      weights.CheckpointMismatchError: a missing, unexpected or mis-shaped tensor (named, with
-        the stored and expected shapes).
-    """
-    if dtype is not None:
-        config_overrides["dtype"] = dtype
-    path = _resolve_folder(os.fspath(path), "text_encoder_2", "T5 encoder",
-                           "config.json + model*.safetensors")
-    cfg = load_config(path, **config_overrides)
-    checkpoint = weights.SafetensorsCheckpoint(path)
-    embedding_key = _embedding_key(checkpoint)
-    hidden = {k for k in EMBEDDING_KEYS if k != embedding_key}
-    hidden |= {k for k in checkpoint.keys() if k.startswith(_IGNORED_PREFIXES)}
-    if mesh is not None:
-        validate_mesh(cfg, mesh)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, rules))
-    shardings = (sharding_lib.state_shardings(abstract_state, mesh,
-                                              sharding_lib.rules_from_config(rules))
-                 if mesh is not None else None)
-    state = weights.load_state(_CheckpointView(checkpoint, hidden), abstract_state,
-                               _source_fn(cfg, embedding_key), shardings)
-    return nnx.merge(graphdef, state)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer (FLUX.1-dev's `tokenizer_2/`).
-
-
 def load_tokenizer(path: str | os.PathLike):
     """transformers' T5TokenizerFast from a local folder (`tokenizer_2/` or its parent folder)."""
-    path = _resolve_folder(os.fspath(path), "tokenizer_2", "T5 tokenizer",
+    path = resolve_folder(os.fspath(path), "tokenizer_2", "T5 tokenizer",
                            "tokenizer.json / spiece.model")
     # Imported here: only tokenization needs transformers, the model does not.
     from transformers import T5TokenizerFast

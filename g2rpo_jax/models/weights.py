@@ -19,8 +19,8 @@ import numpy as np
 
 from g2rpo_jax.models.safetensors_io import MissingTensorError, SafetensorsCheckpoint
 
-__all__ = ["CheckpointMismatchError", "MissingTensorError", "SafetensorsCheckpoint",
-           "TensorSource", "load_state"]
+__all__ = ["CheckpointMismatchError", "CheckpointView", "MissingTensorError",
+           "SafetensorsCheckpoint", "TensorSource", "linear_sources", "load_state"]
 
 
 class CheckpointMismatchError(ValueError):
@@ -65,6 +65,51 @@ class TensorSource:
         cols_ok = self.cols is None or (len(stored_shape) > 1
                                         and 0 <= self.cols[0] < self.cols[1] <= stored_shape[1])
         return rows_ok and cols_ok and (not self.transpose or len(stored_shape) == 2)
+
+
+def linear_sources(prefix: str, rows: tuple[tuple[int, int], ...] | None = None,
+                   cols: tuple[int, int] | None = None,
+                   bias: bool = True) -> dict[str, TensorSource]:
+    """A PyTorch Linear `prefix` (weight [out, in], bias [out]) as an nnx.Linear's sources: the
+    kernel [in, out] transposed from the weight, the bias as is; `rows` / `cols` select a part
+    of a fused weight (see TensorSource)."""
+    out = {"kernel": TensorSource(f"{prefix}.weight", rows=rows, cols=cols, transpose=True)}
+    if bias:
+        out["bias"] = TensorSource(f"{prefix}.bias", rows=rows)
+    return out
+
+
+class CheckpointView:
+    """A checkpoint with the tensors `keep` rejects hidden, so `load_state` neither needs nor
+    reports them: non-parameter buffers (`position_ids`), the decoder of an encoder-decoder
+    checkpoint, or a tower the model leaves out."""
+
+    def __init__(self, checkpoint, keep: Callable[[str], bool]):
+        self._checkpoint = checkpoint
+        self._keys = [k for k in checkpoint.keys() if keep(k)]
+        self._key_set = set(self._keys)
+        self.path = checkpoint.path
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._key_set
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._checkpoint.shape(key)
+
+    def array(self, key: str) -> np.ndarray:
+        return self._checkpoint.array(key)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.array(key)
 
 
 def _as_slice(index: np.ndarray) -> slice | np.ndarray:

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rpo_jax.models import clip, clip_text, weights
+from g2rpo_jax.models import clip, clip_text, clip_weights, weights
 from g2rpo_jax.parallel import sharding as sharding_lib
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -282,7 +282,7 @@ def load_aesthetic_head(path: str | os.PathLike) -> AestheticHead:
     """Loads the predictor's state dict (`layers.{0,2,4,6,7}.{weight,bias}`) from a .pth (e.g.
     sac+logos+ava1-l14-linearMSE.pth, converted once to .safetensors beside it) or .safetensors.
     """
-    checkpoint = clip.open_checkpoint(path)
+    checkpoint = clip_weights.open_checkpoint(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: AestheticHead(nnx.Rngs(0))))
 
     def source(path: tuple[str, ...]):
@@ -340,7 +340,8 @@ def _tokenizer(tokenizer, fallback: Path | None, name: str):
 
 
 def _load(path, config, dtype, mesh, rules, towers=None) -> clip.CLIP:
-    return clip.from_pretrained(path, config, towers=towers, dtype=dtype, mesh=mesh, rules=rules)
+    return clip_weights.from_pretrained(path, config, towers=towers, dtype=dtype, mesh=mesh,
+                                        rules=rules)
 
 
 def hps(path: str | os.PathLike, *, tokenizer=None, config="ViT-H-14", dtype: str | None = None,

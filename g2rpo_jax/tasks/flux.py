@@ -29,7 +29,7 @@ from g2rpo_jax import rewards as rewards_lib
 from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.models import autoencoder as autoencoder_lib
-from g2rpo_jax.models import flux
+from g2rpo_jax.models import autoencoder_weights, flux, flux_weights
 from g2rpo_jax.sampling import rollout
 from g2rpo_jax.tasks.base import Batch
 
@@ -215,7 +215,7 @@ class FluxTask:
         check_config(config)
         self.mesh, self.rules = mesh, parallel.rules_from_config(rules)
         execution = config_lib.execution_fields(config.model)
-        self.policy = flux.from_pretrained(
+        self.policy = flux_weights.from_pretrained(
             storage.local(config.model.checkpoint, parts=("transformer",)), mesh=mesh, rules=self.rules,
                                            **execution)
         cfg = self.policy.cfg
@@ -225,8 +225,8 @@ class FluxTask:
         if os.path.isfile(vae_path):
             raise ValueError(f"config.model.checkpoint {vae_path} is a single file; set "
                              "config.autoencoder.path to FLUX.1's vae/ folder.")
-        ae = autoencoder_lib.from_pretrained(vae_path, config.autoencoder.dtype,
-                                             mesh=self.host_mesh)
+        ae = autoencoder_weights.from_pretrained(vae_path, config.autoencoder.dtype,
+                                                 mesh=self.host_mesh)
         height, width = config.image.height, config.image.width
         self.stack = FluxStack(self.policy, ae.at(height, width), self.host_mesh,
                                config.reward.batch_size)

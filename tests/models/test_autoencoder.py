@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import torch
 
 from g2rpo_jax import parallel
-from g2rpo_jax.models import autoencoder, packing, weights
+from g2rpo_jax.models import autoencoder, autoencoder_weights, packing, weights
 
 FLUX_SCALE, FLUX_SHIFT = 0.3611, 0.1159
 
@@ -150,7 +150,7 @@ def _flux_encode_reference(vae: AutoencoderKL, images: np.ndarray):
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_diffusers(checkpoints, case):
     directory, vae = checkpoints[case]
-    model = autoencoder.from_pretrained(directory)
+    model = autoencoder_weights.from_pretrained(directory)
     assert model.cfg.block_out_channels == CASES[case]["block_out_channels"]
     assert (model.cfg.scaling_factor, model.cfg.shift_factor) == (FLUX_SCALE, FLUX_SHIFT)
     images, latents = _inputs(case)
@@ -176,7 +176,7 @@ def test_parity_with_diffusers(checkpoints, case):
 def test_encode_decode_round_trip_follows_flux_pipeline(checkpoints):
     """decode(encode(x)) is FluxPipeline's image → latents → image arithmetic."""
     directory, vae = checkpoints["flux_like"]
-    model = autoencoder.from_pretrained(directory)
+    model = autoencoder_weights.from_pretrained(directory)
     images, latents = _inputs("flux_like", seed=1)
     encoded = _probe(model, images, latents)["encode"]
     round_trip = _probe(model, images, encoded)["decode"]
@@ -189,7 +189,7 @@ def test_encode_decode_round_trip_follows_flux_pipeline(checkpoints):
 
 def test_posterior_sample(checkpoints):
     directory, _ = checkpoints["flux_like"]
-    model = autoencoder.from_pretrained(directory)
+    model = autoencoder_weights.from_pretrained(directory)
     images, latents = _inputs("flux_like")
     got = _probe(model, images, latents, key=0)
     # Undo FLUX's scale/shift: the noise (z − mean) / std must be standard normal.
@@ -203,7 +203,7 @@ def test_packed_interface_matches_pixel_autoencoder(checkpoints):
     """`at(H, W)` speaks PixelAutoencoder's interface, and decoding packed tokens is
     FluxPipeline's unpack + decode."""
     directory, vae = checkpoints["quant"]
-    model = autoencoder.from_pretrained(directory)
+    model = autoencoder_weights.from_pretrained(directory)
     images, latents = _inputs("quant")
     h, w = IMAGE_SIZE["quant"]                      # factor 2 → latents 8 x 12 → 4 x 6 tokens
     packed, pixel = model.at(h, w), packing.PixelAutoencoder(h, w)
@@ -235,7 +235,7 @@ def test_legacy_names_single_file_and_mesh(checkpoints, tmp_path):
     a bare safetensors file; a mesh places every parameter replicated."""
     directory, _ = checkpoints["flux_like"]
     images, latents = _inputs("flux_like")
-    expected = _probe(autoencoder.from_pretrained(directory), images, latents)
+    expected = _probe(autoencoder_weights.from_pretrained(directory), images, latents)
 
     legacy = tmp_path / "vae"
     legacy.mkdir()
@@ -249,21 +249,21 @@ def test_legacy_names_single_file_and_mesh(checkpoints, tmp_path):
         tensors[key] = value
     assert "decoder.mid_block.attentions.0.proj_attn.weight" in tensors
     save_file(tensors, str(legacy / "diffusion_pytorch_model.safetensors"))
-    got = _probe(autoencoder.from_pretrained(tmp_path), images, latents)   # parent folder
+    got = _probe(autoencoder_weights.from_pretrained(tmp_path), images, latents)   # parent folder
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name])
 
     # A bare safetensors file with diffusers' keys: the architecture comes from the overrides.
-    single = autoencoder.from_pretrained(
+    single = autoencoder_weights.from_pretrained(
         os.path.join(directory, "vae", "diffusion_pytorch_model.safetensors"),
         **{k: v for k, v in _diffusers_config("flux_like").items() if "block_types" not in k})
-    reference = nnx.state(autoencoder.from_pretrained(directory), nnx.Param)
+    reference = nnx.state(autoencoder_weights.from_pretrained(directory), nnx.Param)
     for leaf, ref_leaf in zip(jax.tree.leaves(nnx.state(single, nnx.Param)),
                               jax.tree.leaves(reference), strict=True):
         np.testing.assert_array_equal(leaf, ref_leaf)
 
     mesh = parallel.make_mesh((8, 1, 1))
-    state = nnx.state(autoencoder.from_pretrained(directory, mesh=mesh), nnx.Param)
+    state = nnx.state(autoencoder_weights.from_pretrained(directory, mesh=mesh), nnx.Param)
     for leaf, ref_leaf in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
         assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
         np.testing.assert_array_equal(leaf, ref_leaf)
@@ -274,7 +274,7 @@ def test_bfloat16(checkpoints):
     bfloat16 compile costs seconds here), and the outputs stay float32."""
     directory, _ = checkpoints["flux_like"]
     images, latents = _inputs("flux_like")
-    model = autoencoder.from_pretrained(directory, dtype="bfloat16", param_dtype="bfloat16")
+    model = autoencoder_weights.from_pretrained(directory, dtype="bfloat16", param_dtype="bfloat16")
     kernel = model.decoder.conv_in.kernel[...]
     assert kernel.dtype == jnp.bfloat16
     graphdef, state = nnx.split(model)
@@ -302,7 +302,7 @@ def test_loading_errors_name_keys_and_shapes(checkpoints, tmp_path):
         return tensors
 
     with pytest.raises(weights.CheckpointMismatchError) as info:
-        autoencoder.from_pretrained(_copy_with(directory, tmp_path / "missing", drop))
+        autoencoder_weights.from_pretrained(_copy_with(directory, tmp_path / "missing", drop))
     message = str(info.value)
     print(f"\n{message}")
     assert "missing tensor 'decoder.conv_in.weight'" in message
@@ -314,7 +314,7 @@ def test_loading_errors_name_keys_and_shapes(checkpoints, tmp_path):
         return tensors
 
     with pytest.raises(weights.CheckpointMismatchError) as info:
-        autoencoder.from_pretrained(_copy_with(directory, tmp_path / "shapes", reshape))
+        autoencoder_weights.from_pretrained(_copy_with(directory, tmp_path / "shapes", reshape))
     message = str(info.value)
     print(message)
     assert ("tensor 'encoder.mid_block.attentions.0.to_q.weight' has shape (16, 8), but "
@@ -330,16 +330,16 @@ def test_loading_errors_name_keys_and_shapes(checkpoints, tmp_path):
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps(dict(config, mid_block_add_attention=False)))
     with pytest.raises(weights.CheckpointMismatchError, match="not used by the model"):
-        autoencoder.from_pretrained(wrong)
+        autoencoder_weights.from_pretrained(wrong)
 
     no_config = _copy_with(directory, tmp_path / "noconfig", dict)
     (no_config / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        autoencoder.from_pretrained(no_config)
+        autoencoder_weights.from_pretrained(no_config)
     ldm = tmp_path / "ae.safetensors"
     save_file({"encoder.down.0.block.0.norm1.weight": torch.ones(8)}, str(ldm))
     with pytest.raises(weights.CheckpointMismatchError, match="original .LDM / BFL"):
-        autoencoder.from_pretrained(ldm)
+        autoencoder_weights.from_pretrained(ldm)
 
 
 def test_config_from_diffusers_json():

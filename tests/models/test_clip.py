@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from g2rpo_jax import parallel
-from g2rpo_jax.models import clip, clip_text, weights
+from g2rpo_jax.models import clip, clip_text, clip_weights, weights
 from g2rpo_jax.models.safetensors_io import write_safetensors
 from g2rpo_jax.testing.clip_reference import byte_level_tokenizer, hf_to_open_clip, randomize
 
@@ -212,7 +212,7 @@ def hf_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(HF_VARIANTS))
 def test_transformers_clip_parity(hf_checkpoints, variant):
     directory, torch_model = hf_checkpoints[variant]
-    model = clip.from_pretrained(directory)
+    model = clip_weights.from_pretrained(directory)
     eos, text_act, vision_act = HF_VARIANTS[variant]
     assert model.cfg.text.pool == ("argmax" if eos == 2 else "eos")
     assert (model.cfg.text.act, model.cfg.vision.act) == (text_act, vision_act)
@@ -252,7 +252,7 @@ def test_clip_text_model_for_flux(tmp_path):
 
     projected = randomize(CLIPTextModelWithProjection(cfg), 5)
     projected.save_pretrained(tmp_path / "with_projection", safe_serialization=True)
-    model = clip.from_pretrained(tmp_path / "with_projection")
+    model = clip_weights.from_pretrained(tmp_path / "with_projection")
     assert model.cfg.vision is None and model.cfg.projection_dim == 16
     with torch.no_grad():
         expected = projected(input_ids=ids).text_embeds.numpy()
@@ -263,7 +263,7 @@ def test_clip_text_model_for_flux(tmp_path):
 def test_one_tower_from_a_full_checkpoint_in_bfloat16(hf_checkpoints):
     """The image tower alone (text tensors and logit_scale ignored), computing in bfloat16."""
     directory, torch_model = hf_checkpoints["legacy_eos"]
-    model = clip.from_pretrained(directory, towers=("vision",), dtype="bfloat16")
+    model = clip_weights.from_pretrained(directory, towers=("vision",), dtype="bfloat16")
     assert model.text_model is None and model.logit_scale is None
     ids, pixels = _inputs(99)
     got = _jax_outputs(model, ids, pixels)["image_embeds"]
@@ -277,8 +277,8 @@ def test_one_tower_from_a_full_checkpoint_in_bfloat16(hf_checkpoints):
 def test_scan_and_unrolled_layers_agree(hf_checkpoints):
     directory, _ = hf_checkpoints["eos_id"]
     ids, pixels = _inputs(50)
-    scanned = _jax_outputs(clip.from_pretrained(directory), ids, pixels)
-    unrolled = _jax_outputs(clip.from_pretrained(directory, scan_layers=False), ids, pixels)
+    scanned = _jax_outputs(clip_weights.from_pretrained(directory), ids, pixels)
+    unrolled = _jax_outputs(clip_weights.from_pretrained(directory, scan_layers=False), ids, pixels)
     for key in scanned:
         np.testing.assert_allclose(unrolled[key], scanned[key], rtol=1e-5, atol=1e-5)
 
@@ -286,9 +286,9 @@ def test_scan_and_unrolled_layers_agree(hf_checkpoints):
 def test_sharded_load_matches_unsharded(hf_checkpoints):
     directory, _ = hf_checkpoints["legacy_eos"]
     ids, pixels = _inputs(99, batch=3)
-    expected = _jax_outputs(clip.from_pretrained(directory), ids, pixels)
+    expected = _jax_outputs(clip_weights.from_pretrained(directory), ids, pixels)
     mesh = parallel.make_mesh((1, 2, 4))
-    model = clip.from_pretrained(directory, mesh=mesh)
+    model = clip_weights.from_pretrained(directory, mesh=mesh)
     kernel = model.text_model.blocks.attn.q.kernel[...]
     # [layers, embed, heads]: embed over fsdp, heads over tensor.
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
@@ -321,7 +321,7 @@ def test_open_clip_parity(tmp_path, quick_gelu):
     state = {k: v.detach().contiguous().numpy() for k, v in reference.state_dict().items()}
     write_safetensors(tmp_path / "tiny.safetensors", state)
     model_cfg = dict(OPEN_CLIP_TINY, quick_gelu=quick_gelu)
-    model = clip.from_pretrained(tmp_path / "tiny.safetensors", model_cfg)
+    model = clip_weights.from_pretrained(tmp_path / "tiny.safetensors", model_cfg)
     ids, pixels = _inputs(99, seed=8, length=16)
     ids[0, 9] = 0  # OpenCLIP pads with 0 after the end token
     expected = _open_clip_outputs(reference, ids, pixels)
@@ -334,8 +334,8 @@ def test_open_clip_parity(tmp_path, quick_gelu):
     hub.mkdir()
     write_safetensors(hub / "open_clip_model.safetensors", state)
     (hub / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg}))
-    for other in (clip.from_pretrained(tmp_path / "hps_like.pt", model_cfg),
-                  clip.from_pretrained(hub)):
+    for other in (clip_weights.from_pretrained(tmp_path / "hps_like.pt", model_cfg),
+                  clip_weights.from_pretrained(hub)):
         assert other.cfg == model.cfg
         for a, b in zip(jax.tree.leaves(nnx.state(other)), jax.tree.leaves(nnx.state(model)),
                         strict=True):
@@ -343,7 +343,7 @@ def test_open_clip_parity(tmp_path, quick_gelu):
     assert (tmp_path / "hps_like.safetensors").exists()
 
     # Shapes give everything but the activation and the head width.
-    inferred = clip.config_from_open_clip_checkpoint(
+    inferred = clip_weights.config_from_open_clip_checkpoint(
         weights.SafetensorsCheckpoint(tmp_path / "tiny.safetensors"), quick_gelu=quick_gelu,
         vision_head_width=8, text_head_width=8)
     assert inferred == clip.config_from_open_clip(model_cfg)
@@ -354,8 +354,8 @@ def test_open_clip_layout_from_transformers_keys(hf_checkpoints, tmp_path):
     same model (the test that runs without open_clip)."""
     directory, torch_model = hf_checkpoints["legacy_eos"]
     write_safetensors(tmp_path / "open_clip.safetensors", hf_to_open_clip(torch_model.state_dict()))
-    cfg = clip.config_from_transformers(json.loads((directory / "config.json").read_text()))
-    model = clip.from_pretrained(tmp_path / "open_clip.safetensors", cfg)
+    cfg = clip_weights.config_from_transformers(json.loads((directory / "config.json").read_text()))
+    model = clip_weights.from_pretrained(tmp_path / "open_clip.safetensors", cfg)
     ids, pixels = _inputs(99, seed=12)
     _compare("OpenCLIP layout from transformers", _jax_outputs(model, ids, pixels),
              _hf_outputs(torch_model, ids, pixels))
@@ -367,10 +367,10 @@ def test_open_clip_layout_from_transformers_keys(hf_checkpoints, tmp_path):
 
 def test_loading_errors_name_keys_and_shapes(hf_checkpoints, tmp_path):
     directory, torch_model = hf_checkpoints["legacy_eos"]
-    cfg = clip.config_from_transformers(json.loads((directory / "config.json").read_text()))
+    cfg = clip_weights.config_from_transformers(json.loads((directory / "config.json").read_text()))
     wrong = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, layers=3, vocab_size=120))
     with pytest.raises(weights.CheckpointMismatchError) as info:
-        clip.from_pretrained(directory, wrong)
+        clip_weights.from_pretrained(directory, wrong)
     message = str(info.value)
     print(message)
     assert ("'text_model.embeddings.token_embedding.weight' has shape (100, 32), but "
@@ -383,7 +383,7 @@ def test_loading_errors_name_keys_and_shapes(hf_checkpoints, tmp_path):
     tensors["ln_final.weight"] = np.zeros(7, np.float32)
     write_safetensors(tmp_path / "broken.safetensors", tensors)
     with pytest.raises(weights.CheckpointMismatchError) as info:
-        clip.from_pretrained(tmp_path / "broken.safetensors", cfg)
+        clip_weights.from_pretrained(tmp_path / "broken.safetensors", cfg)
     message = str(info.value)
     print(message)
     assert "missing tensor 'visual.proj' (for visual_projection.kernel, expected shape (32, 16))" \
@@ -393,32 +393,21 @@ def test_loading_errors_name_keys_and_shapes(hf_checkpoints, tmp_path):
 
     write_safetensors(tmp_path / "other.safetensors", {"foo.weight": np.zeros(3, np.float32)})
     with pytest.raises(ValueError, match="not a CLIP checkpoint"):
-        clip.from_pretrained(tmp_path / "other.safetensors")
+        clip_weights.from_pretrained(tmp_path / "other.safetensors")
     with pytest.raises(ValueError, match="ViT-H-14-quickgelu"):
-        clip.from_pretrained(tmp_path / "broken.safetensors", "ViT-Z-99")
+        clip_weights.from_pretrained(tmp_path / "broken.safetensors", "ViT-Z-99")
     with pytest.raises(FileNotFoundError, match="No CLIP checkpoint"):
-        clip.from_pretrained(tmp_path / "absent")
+        clip_weights.from_pretrained(tmp_path / "absent")
     text_only = {k: v for k, v in hf_to_open_clip(torch_model.state_dict()).items()
                  if not k.startswith("visual.") and k != "logit_scale"}
     write_safetensors(tmp_path / "text_only.safetensors", text_only)
     with pytest.raises(ValueError, match="has no \\['vision'\\] tower"):
-        clip.from_pretrained(tmp_path / "text_only.safetensors",
-                             dataclasses.replace(cfg, vision=None, logit_scale=False),
-                             towers=("vision",))
+        clip_weights.from_pretrained(tmp_path / "text_only.safetensors",
+                                     dataclasses.replace(cfg, vision=None, logit_scale=False),
+                                     towers=("vision",))
     with pytest.raises(ValueError, match="no text tower"):
-        clip.from_pretrained(directory, towers=("vision",)).encode_text(np.zeros((1, 4), np.int32))
-
-
-def test_converter_handles_prefixes_bf16_and_extras(tmp_path):
-    import ml_dtypes
-
-    torch.save({"module.a": torch.ones(2, 3, dtype=torch.bfloat16), "module.b": torch.arange(4),
-                "note": "not a tensor"}, tmp_path / "x.bin")
-    out = clip.convert_torch_checkpoint(tmp_path / "x.bin")
-    checkpoint = weights.SafetensorsCheckpoint(out)
-    assert checkpoint.keys() == ["a", "b"]
-    assert checkpoint.dtype("a") == np.dtype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(checkpoint.array("b"), np.arange(4))
+        model = clip_weights.from_pretrained(directory, towers=("vision",))
+        model.encode_text(np.zeros((1, 4), np.int32))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import torch
 
 from g2rpo_jax import parallel
-from g2rpo_jax.models import flux, weights
+from g2rpo_jax.models import flux, flux_weights, weights
 from g2rpo_jax.testing import flux_reference as ref
 
 # Two different tiny shapes: (hidden 32, 2 heads, 2+2 blocks) and (hidden 32, 4 heads of 8,
@@ -51,7 +51,7 @@ def test_parity_with_diffusers(checkpoints, shape, guidance):
     inputs = ref.random_inputs(ref.tiny_diffusers_config(guidance_embeds=guidance, **SHAPES[shape]),
                                guidance=guidance)
     expected = ref.diffusers_forward(torch_model, inputs)
-    model = flux.from_pretrained(directory)
+    model = flux_weights.from_pretrained(directory)
     got = _call(model, inputs)
     err = np.abs(got - expected).max()
     print(f"parity {shape} guidance={guidance}: max abs err {err:.2e} (|out| max "
@@ -62,7 +62,7 @@ def test_parity_with_diffusers(checkpoints, shape, guidance):
 
 def test_per_sample_ids_match_shared_ids(checkpoints):
     directory, _ = checkpoints["h2d16", True]
-    model = flux.from_pretrained(directory)
+    model = flux_weights.from_pretrained(directory)
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h2d16"]))
     batched = dict(inputs, img_ids=np.broadcast_to(inputs["img_ids"], (2, *inputs["img_ids"].shape)),
                    txt_ids=np.broadcast_to(inputs["txt_ids"], (2, *inputs["txt_ids"].shape)))
@@ -88,7 +88,7 @@ def test_bfl_single_file_parity(checkpoints, tmp_path, shape):
     ref.write_bfl_flux(path, torch_model)
     kwargs = {} if SHAPES[shape]["attention_head_dim"] == 128 else {
         "axes_dims_rope": SHAPES[shape]["axes_dims_rope"]}
-    model = flux.from_pretrained(path, **kwargs)
+    model = flux_weights.from_pretrained(path, **kwargs)
     assert model.cfg.num_layers == torch_model.config.num_layers
     assert model.cfg.num_single_layers == torch_model.config.num_single_layers
     assert model.cfg.guidance_embeds
@@ -106,8 +106,8 @@ def test_sharded_index_folder(checkpoints, tmp_path):
     assert (sharded / "diffusion_pytorch_model.safetensors.index.json").exists()
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h2d16"]))
     # The parent folder (as in a full FLUX repo with transformer/ inside) is accepted too.
-    np.testing.assert_array_equal(_call(flux.from_pretrained(tmp_path), inputs),
-                                  _call(flux.from_pretrained(directory), inputs))
+    np.testing.assert_array_equal(_call(flux_weights.from_pretrained(tmp_path), inputs),
+                                  _call(flux_weights.from_pretrained(directory), inputs))
 
 
 # (2, 2, 2) guards the modulation rule: its output split over `tensor` miscompiled there.
@@ -115,10 +115,10 @@ def test_sharded_index_folder(checkpoints, tmp_path):
 def test_sharded_forward_matches_unsharded(checkpoints, mesh_shape):
     directory, _ = checkpoints["h4d8", True]
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h4d8"]), batch=8)
-    expected = _call(flux.from_pretrained(directory), inputs)
+    expected = _call(flux_weights.from_pretrained(directory), inputs)
 
     mesh = parallel.make_mesh(mesh_shape)
-    model = flux.from_pretrained(directory, mesh=mesh)
+    model = flux_weights.from_pretrained(directory, mesh=mesh)
     kernel = model.double_blocks.img_attn.q.kernel[...]
     data, fsdp, tensor = mesh_shape
     # [layers, embed, heads]: embed over fsdp, heads over tensor; each device holds 1/(fsdp·tensor).
@@ -168,8 +168,8 @@ def _loss_and_grads(model, inputs):
 def test_grads_scanned_match_unscanned(checkpoints, remat_policy):
     directory, _ = checkpoints["h2d16", True]
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h2d16"]))
-    scanned = flux.from_pretrained(directory, remat_policy=remat_policy)
-    unrolled = flux.from_pretrained(directory, scan_layers=False)
+    scanned = flux_weights.from_pretrained(directory, remat_policy=remat_policy)
+    unrolled = flux_weights.from_pretrained(directory, scan_layers=False)
     loss_s, grads_s = _loss_and_grads(scanned, inputs)
     loss_u, grads_u = _loss_and_grads(unrolled, inputs)
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
@@ -184,7 +184,7 @@ def test_grad_matches_finite_difference(checkpoints):
     """Directional derivative along a random direction in parameter space, float64-free check."""
     directory, _ = checkpoints["h2d16", True]
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h2d16"]))
-    model = flux.from_pretrained(directory)
+    model = flux_weights.from_pretrained(directory)
     graphdef, params = nnx.split(model)
 
     def loss(params):
@@ -206,7 +206,7 @@ def test_bfloat16_compute_stays_close(checkpoints):
     directory, torch_model = checkpoints["h2d16", True]
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h2d16"]))
     expected = ref.diffusers_forward(torch_model, inputs)
-    got = _call(flux.from_pretrained(directory, dtype="bfloat16"), inputs)
+    got = _call(flux_weights.from_pretrained(directory, dtype="bfloat16"), inputs)
     assert got.dtype == jnp.bfloat16
     rel = np.abs(got.astype(np.float32) - expected).max() / np.abs(expected).max()
     assert rel < 5e-2
@@ -238,7 +238,7 @@ def test_missing_tensor_is_named(checkpoints, tmp_path):
                           lambda state: state.pop("transformer_blocks.1.attn.to_k.weight"))
     with pytest.raises(weights.CheckpointMismatchError,
                        match=r"missing tensor 'transformer_blocks\.1\.attn\.to_k\.weight'.*\(32, 32\)"):
-        flux.from_pretrained(broken)
+        flux_weights.from_pretrained(broken)
 
 
 def test_wrong_shape_names_both_shapes(checkpoints, tmp_path):
@@ -246,7 +246,7 @@ def test_wrong_shape_names_both_shapes(checkpoints, tmp_path):
         {"context_embedder.weight": torch.zeros(32, 31)}))
     with pytest.raises(weights.CheckpointMismatchError,
                        match=r"'context_embedder\.weight' has shape \(32, 31\).*needs \(32, 32\)"):
-        flux.from_pretrained(broken)
+        flux_weights.from_pretrained(broken)
 
 
 def test_config_mismatch_reports_unused_tensors(checkpoints, tmp_path):
@@ -259,12 +259,12 @@ def test_config_mismatch_reports_unused_tensors(checkpoints, tmp_path):
     os.symlink(os.path.join(directory, "diffusion_pytorch_model.safetensors"),
                other / "diffusion_pytorch_model.safetensors")
     with pytest.raises(weights.CheckpointMismatchError, match=r"not used by the model.*transformer_blocks\.1"):
-        flux.from_pretrained(other)
+        flux_weights.from_pretrained(other)
 
 
 def test_missing_checkpoint_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="No FLUX checkpoint"):
-        flux.from_pretrained(tmp_path / "nowhere")
+        flux_weights.from_pretrained(tmp_path / "nowhere")
 
 
 def test_mesh_that_does_not_divide_devices():
@@ -276,12 +276,12 @@ def test_heads_not_divisible_by_tensor(checkpoints):
     directory, _ = checkpoints["h2d16", True]  # 2 heads
     mesh = parallel.make_mesh((2, 1, 4))
     with pytest.raises(ValueError, match=r"num_attention_heads=2 is not divisible .* tensor axis \(4\)"):
-        flux.from_pretrained(directory, mesh=mesh)
+        flux_weights.from_pretrained(directory, mesh=mesh)
 
 
 def test_guidance_required_and_refused(checkpoints):
-    with_g = flux.from_pretrained(checkpoints["h2d16", True][0])
-    without_g = flux.from_pretrained(checkpoints["h2d16", False][0])
+    with_g = flux_weights.from_pretrained(checkpoints["h2d16", True][0])
+    without_g = flux_weights.from_pretrained(checkpoints["h2d16", False][0])
     inputs = ref.random_inputs(ref.tiny_diffusers_config(**SHAPES["h2d16"]))
     with pytest.raises(ValueError, match="pass guidance"):
         with_g(**dict(inputs, guidance=None))

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 import torch
 
 from g2rpo_jax import parallel
-from g2rpo_jax.models import t5, weights
+from g2rpo_jax.models import t5, t5_weights, weights
 
 
 def _transformers():
@@ -90,7 +90,7 @@ def test_parity_with_transformers(references, variant):
     ids, mask = _inputs(3, LENGTHS[variant], TINY["vocab_size"])
     assert mask.min() == 0  # padding is exercised
     expected = _torch_forward(torch_model, ids, mask)
-    model = t5.from_pretrained(directory)
+    model = t5_weights.from_pretrained(directory)
     assert model.cfg.feed_forward_proj == variant
     got = np.asarray(model(ids, mask))
     err = np.abs(got - expected).max()
@@ -102,7 +102,7 @@ def test_parity_with_transformers(references, variant):
     print(f"T5 parity {variant} without mask: max abs err {err_no_mask:.2e}")
     assert err_no_mask <= 1e-4
     # Unrolled layers compute the same thing as the scan.
-    unrolled = np.asarray(t5.from_pretrained(directory, scan_layers=False)(ids, mask))
+    unrolled = np.asarray(t5_weights.from_pretrained(directory, scan_layers=False)(ids, mask))
     np.testing.assert_allclose(unrolled, got, atol=1e-5)
 
 
@@ -110,7 +110,7 @@ def test_bfloat16_compute_stays_close(references):
     directory, torch_model = references["gated-gelu"]
     ids, mask = _inputs(2, 12, TINY["vocab_size"])
     expected = _torch_forward(torch_model, ids, mask)
-    got = np.asarray(t5.from_pretrained(directory, dtype="bfloat16")(ids, mask), np.float32)
+    got = np.asarray(t5_weights.from_pretrained(directory, dtype="bfloat16")(ids, mask), np.float32)
     rel = np.abs(got - expected).max() / np.abs(expected).max()
     print(f"T5 bfloat16 compute: max abs err / max |out| = {rel:.2e}")
     assert rel < 5e-2
@@ -137,8 +137,8 @@ def test_sharded_index_and_parent_folder(references, tmp_path):
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
     ids, mask = _inputs(3, 12, TINY["vocab_size"])
-    np.testing.assert_array_equal(np.asarray(t5.from_pretrained(tmp_path)(ids, mask)),
-                                  np.asarray(t5.from_pretrained(directory)(ids, mask)))
+    np.testing.assert_array_equal(np.asarray(t5_weights.from_pretrained(tmp_path)(ids, mask)),
+                                  np.asarray(t5_weights.from_pretrained(directory)(ids, mask)))
 
 
 @pytest.mark.parametrize("names", [("encoder.embed_tokens.weight",),
@@ -151,8 +151,8 @@ def test_either_embedding_key_loads(references, tmp_path, names):
               str(tmp_path / "model.safetensors"))
     shutil.copy(directory / "config.json", tmp_path / "config.json")
     ids, mask = _inputs(2, 12, TINY["vocab_size"])
-    np.testing.assert_array_equal(np.asarray(t5.from_pretrained(tmp_path)(ids, mask)),
-                                  np.asarray(t5.from_pretrained(directory)(ids, mask)))
+    np.testing.assert_array_equal(np.asarray(t5_weights.from_pretrained(tmp_path)(ids, mask)),
+                                  np.asarray(t5_weights.from_pretrained(directory)(ids, mask)))
 
 
 def _broken_copy(directory, target, edit):
@@ -168,7 +168,7 @@ def test_missing_tensor_is_named(references, tmp_path):
     key = "encoder.block.1.layer.1.DenseReluDense.wi_1.weight"
     broken = _broken_copy(directory, tmp_path, lambda t: t.pop(key))
     with pytest.raises(weights.CheckpointMismatchError) as error:
-        t5.from_pretrained(broken)
+        t5_weights.from_pretrained(broken)
     message = str(error.value)
     print(message)
     assert key in message and "layers.ff.wi_1.kernel" in message and "(32, 64)" in message
@@ -183,7 +183,7 @@ def test_wrong_shape_is_named(references, tmp_path):
 
     broken = _broken_copy(directory, tmp_path, edit)
     with pytest.raises(weights.CheckpointMismatchError) as error:
-        t5.from_pretrained(broken)
+        t5_weights.from_pretrained(broken)
     message = str(error.value)
     print(message)
     assert key in message and "(24, 32)" in message and "(32, 32)" in message
@@ -191,19 +191,19 @@ def test_wrong_shape_is_named(references, tmp_path):
 
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        t5.from_pretrained(tmp_path)
+        t5_weights.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="bert"):
-        t5.from_pretrained(tmp_path)
+        t5_weights.from_pretrained(tmp_path)
 
 
 def test_sharded_forward_matches_unsharded(references):
     directory, _ = references["gated-gelu"]
     ids, mask = _inputs(4, 12, TINY["vocab_size"], seed=1)
-    expected = np.asarray(t5.from_pretrained(directory)(ids, mask))
+    expected = np.asarray(t5_weights.from_pretrained(directory)(ids, mask))
 
     mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    model = t5.from_pretrained(directory, mesh=mesh)
+    model = t5_weights.from_pretrained(directory, mesh=mesh)
     kernel = model.layers.attn.q.kernel[...]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert kernel.addressable_shards[0].data.size == kernel.size // 4
@@ -226,7 +226,7 @@ def test_mesh_must_split_whole_heads(references):
     directory, _ = references["relu"]
     mesh = parallel.make_mesh({"data": 1, "fsdp": 1, "tensor": 8})
     with pytest.raises(ValueError, match="num_heads=4"):
-        t5.from_pretrained(directory, mesh=mesh)
+        t5_weights.from_pretrained(directory, mesh=mesh)
 
 
 def test_xxl_parameter_count():
@@ -246,7 +246,7 @@ def test_config_from_transformers_json(references):
     cfg = t5.T5Config.from_dict(values)  # unknown keys (num_decoder_layers, ...) are ignored
     assert (cfg.d_kv, cfg.relative_attention_num_buckets, cfg.is_gated) == (6, 8, False)
     # The file's "dtype" is its storage dtype, not our compute dtype.
-    assert t5.load_config(directory).dtype == "float32"
+    assert t5_weights.load_config(directory).dtype == "float32"
     with pytest.raises(ValueError, match="gated-<activation>"):
         t5.T5Config(feed_forward_proj="fancy-gated-gelu")
 
