@@ -279,8 +279,8 @@ def config_from_transformers(values: Mapping[str, Any], checkpoint=None) -> clip
                           else any(a.endswith("WithProjection") for a in architectures))
         has_scale = False
     return clip.CLIPConfig(text=text, vision=vision,
-                      projection_dim=projection_dim if has_projection else None,
-                      logit_scale=has_scale)
+                           projection_dim=projection_dim if has_projection else None,
+                           logit_scale=has_scale)
 
 
 # Head widths of OpenCLIP ViTs that are not 64 (they cannot be read off tensor shapes).
@@ -306,18 +306,19 @@ def config_from_open_clip_checkpoint(checkpoint, quick_gelu: bool = False,
         if width % head_width:
             raise ValueError(f"Cannot infer the {tower} tower's heads: width {width} is not a "
                              f"multiple of the head width {head_width}; pass config= (a name in "
-                             "clip.OPEN_CLIP_CONFIGS, an OpenCLIP model-config dict or a CLIPConfig).")
+                             "OPEN_CLIP_CONFIGS, an OpenCLIP model-config dict or a CLIPConfig).")
         return width // head_width
 
     act = "quick_gelu" if quick_gelu else "gelu"
     text = vision = None
     if _OC_TEXT_KEY in keys:
         vocab, width = checkpoint.shape(_OC_TEXT_KEY)
-        text = clip.TextConfig(vocab_size=vocab, width=width, heads=heads(width, text_head_width, "text"),
-                          layers=count("transformer.resblocks."),
-                          mlp_dim=checkpoint.shape("transformer.resblocks.0.mlp.c_fc.weight")[0],
-                          context_length=checkpoint.shape("positional_embedding")[0], act=act,
-                          pool="argmax")
+        text = clip.TextConfig(vocab_size=vocab, width=width,
+                               heads=heads(width, text_head_width, "text"),
+                               layers=count("transformer.resblocks."),
+                               mlp_dim=checkpoint.shape("transformer.resblocks.0.mlp.c_fc.weight")[0],
+                               context_length=checkpoint.shape("positional_embedding")[0], act=act,
+                               pool="argmax")
     if _OC_VISION_KEY in keys:
         width, _, patch, _ = checkpoint.shape(_OC_VISION_KEY)
         grid = math.isqrt(checkpoint.shape("visual.positional_embedding")[0] - 1)
@@ -333,7 +334,11 @@ def config_from_open_clip_checkpoint(checkpoint, quick_gelu: bool = False,
     elif "visual.proj" in keys:
         projection = checkpoint.shape("visual.proj")[-1]
     return clip.CLIPConfig(text=text, vision=vision, projection_dim=projection,
-                      logit_scale="logit_scale" in keys)
+                           logit_scale="logit_scale" in keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
 
 
 def open_checkpoint(path: str | os.PathLike) -> weights.SafetensorsCheckpoint:
@@ -342,10 +347,6 @@ def open_checkpoint(path: str | os.PathLike) -> weights.SafetensorsCheckpoint:
     if path.is_file() and path.suffix in convert.TORCH_SUFFIXES:
         path = convert.convert_torch_checkpoint(path)
     return weights.SafetensorsCheckpoint(path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading.
 
 
 def _resolve(path: Path, config) -> tuple[weights.SafetensorsCheckpoint, str, clip.CLIPConfig | None]:
@@ -393,7 +394,7 @@ def _as_config(config, checkpoint, layout) -> clip.CLIPConfig:
     if layout == "open_clip":
         return config_from_open_clip_checkpoint(checkpoint)
     raise ValueError(f"No config for the transformers-layout checkpoint {checkpoint.path}: put its "
-                     "config.json beside it or pass config=clip.CLIPConfig(...).")
+                     "config.json beside it or pass config=CLIPConfig(...).")
 
 
 def from_pretrained(path: str | os.PathLike, config: clip.CLIPConfig | str | Mapping | None = None, *,

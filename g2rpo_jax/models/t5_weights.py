@@ -62,7 +62,7 @@ def _source_fn(cfg: t5.T5Config, embedding_key: str):
 def load_config(path: str | os.PathLike, **overrides) -> t5.T5Config:
     """The T5Config of a transformers folder's config.json, with execution overrides."""
     path = t5.resolve_folder(os.fspath(path), "text_encoder_2", "T5 encoder",
-                           "config.json + model*.safetensors")
+                             "config.json + model*.safetensors")
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{path} has no config.json: expected a transformers T5 folder "
@@ -104,7 +104,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
     if dtype is not None:
         config_overrides["dtype"] = dtype
     path = t5.resolve_folder(os.fspath(path), "text_encoder_2", "T5 encoder",
-                           "config.json + model*.safetensors")
+                             "config.json + model*.safetensors")
     cfg = load_config(path, **config_overrides)
     checkpoint = weights.SafetensorsCheckpoint(path)
     embedding_key = _embedding_key(checkpoint)

@@ -1,5 +1,6 @@
-"""FLUX autoencoder: numeric parity with diffusers' AutoencoderKL, FLUX's latent convention,
-packed latents, loading errors, parameter counts."""
+"""FLUX autoencoder (models.autoencoder, loaded by models.autoencoder_weights): numeric parity
+with diffusers' AutoencoderKL, FLUX's latent convention, packed latents, loading errors,
+parameter counts."""
 
 import functools
 import json

@@ -1,4 +1,5 @@
-"""CLIP in JAX: parity with transformers and OpenCLIP, both checkpoint layouts, errors, sizes.
+"""CLIP in JAX (models.clip, loaded by models.clip_weights; models.clip_text): parity with
+transformers and OpenCLIP, both checkpoint layouts, errors, sizes.
 
 OpenCLIP (open_clip_torch 3.3.0) is a test-only reference, installed by the README's test
 command without its dependencies (`pip install --no-deps open_clip_torch==3.3.0`), because its

@@ -1,4 +1,6 @@
-"""FLUX transformer: numeric parity with diffusers, BFL loading, sharding, gradients, errors."""
+"""FLUX transformer (models.flux) loaded by models.flux_weights: numeric parity with diffusers,
+BFL loading, sharding, gradients, errors. One file for both: every parity case runs the
+architecture on weights its loader placed."""
 
 import dataclasses
 import json

@@ -1,4 +1,5 @@
-"""Tests for the torch-free safetensors reader/writer, against the reference `safetensors` + torch."""
+"""The torch-free safetensors reader and the atomic writer, against the reference `safetensors`
++ torch."""
 
 import json
 import os

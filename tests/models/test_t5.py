@@ -1,4 +1,5 @@
-"""T5 v1.1 encoder: parity with transformers' T5EncoderModel, loading, sharding, tokenizer."""
+"""T5 v1.1 encoder (models.t5, loaded by models.t5_weights): parity with transformers'
+T5EncoderModel, loading, sharding, tokenizer."""
 
 import json
 import shutil
