@@ -17,6 +17,8 @@ Call signature:
 FLUX.1-dev's pipeline (diffusers `FluxPipeline`) calls the encoder WITHOUT an attention mask on
 prompts padded to 512 tokens, so pad tokens are attended to; pass attention_mask=None to match
 its prompt embeddings.
+
+Weights load with `models.t5_weights`; the tokenizer (FLUX.1-dev's `tokenizer_2/`) is here.
 """
 
 from collections.abc import Mapping, Sequence
@@ -329,11 +331,12 @@ def validate_mesh(cfg: T5Config, mesh: jax.sharding.Mesh) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer (FLUX.1-dev's `tokenizer_2/`).
+# Folders and the tokenizer (FLUX.1-dev's `text_encoder_2/`, `tokenizer_2/`).
 
 
 def resolve_folder(path: str, subfolder: str, what: str, wanted: str) -> str:
-    """path itself, or path/subfolder when path is a whole FLUX repo; a clear error otherwise."""
+    """path itself, or path/subfolder when path is a whole FLUX repo; a clear error otherwise.
+    (The tokenizer's folder here, the encoder's in `t5_weights`.)"""
     if os.path.isdir(os.path.join(path, subfolder)):
         return os.path.join(path, subfolder)
     if not os.path.isdir(path):
