@@ -17,9 +17,7 @@ that the script also prints.
 
 import argparse
 import dataclasses
-import importlib.util
 import json
-import os
 import time
 
 from flax import nnx
@@ -28,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from g2rpo_jax import evaluation, generator, parallel, train
+from g2rpo_jax import config_lib, held_out, parallel
+from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import world
 from g2rpo_jax.rl import algorithms, iteration, update
+from g2rpo_jax.tasks import shapes as shapes_task
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = 8
 
 
@@ -46,24 +45,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--algorithm", default="{}", help="JSON overrides of the algorithm")
     parser.add_argument("--reps", type=int, default=6)
-    parser.add_argument("--generator", default=generator.SHIPPED_BASE)
+    parser.add_argument("--generator", default=generator_lib.SHIPPED_BASE)
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location(
-        "shapes_cpu", os.path.join(ROOT, "configs", "shapes_cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
     overrides = json.loads(args.algorithm)
+    config = config_lib.load_config(
+        "shapes_cpu.py", **{f"algorithm.{field}": value for field, value in overrides.items()})
     mesh = parallel.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-    gen = generator.load_generator(args.generator, mesh)
+    generator = generator_lib.load_generator(args.generator, mesh)
     train_prompts = world.split_prompts()["train"]
-    sigmas = evaluation.sigmas_from_config(config)
-    graphdef, params = nnx.split(gen.flux)
-    reward_fn = train.make_reward_fn(gen, ["in_domain"], train_prompts, config)
-    algo = algorithms.Algorithm.from_config(
-        algorithms.preset("g2rpo", **dict(module.CPU_ALGORITHM, **overrides)))
+    sigmas = held_out.sigmas_from_config(config)
+    graphdef, params = nnx.split(generator.flux)
+    reward_fn = shapes_task.make_reward_fn(generator, ["in_domain"], train_prompts, config)
+    algo = algorithms.Algorithm.from_config(config.algorithm)
     sample, finish = map(jax.jit, iteration.make_rollout_stages(
-        graphdef, algo, sigmas, gen.latent_shape, [1.0], None))
+        graphdef, algo, sigmas, generator.latent_shape, [1.0], None))
     optimizer = optax.sgd(1.0)
     state = update.init_state(params, optimizer, False, mesh)
     settings = dataclasses.replace(update.settings_from_config(config), steps_per_update=0)
@@ -72,7 +67,7 @@ def main():
     def gradient(prompt_seed: int, key) -> np.ndarray:
         picked = np.random.default_rng(prompt_seed).choice(len(train_prompts), PROMPTS,
                                                            replace=False)
-        cond = gen.encode([train_prompts[i] for i in picked], mesh)
+        cond = generator.encode([train_prompts[i] for i in picked], mesh)
         finals, carry = sample(state.params, cond, key, 0)
         batch, _ = finish(jnp.asarray(reward_fn(finals, picked)), carry)
         new_state, _ = update_fn(state, batch, cond)

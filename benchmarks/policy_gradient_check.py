@@ -12,8 +12,6 @@ negative lr flips the step (a sign check).
 
 import argparse
 import dataclasses
-import importlib.util
-import os
 
 from flax import nnx
 import jax
@@ -21,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from g2rpo_jax import evaluation, generator, parallel, train
+from g2rpo_jax import config_lib, held_out, parallel
+from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import world
 from g2rpo_jax.rl import algorithms, iteration, update
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from g2rpo_jax.tasks import shapes as shapes_task
 
 
 def main():
@@ -33,27 +31,22 @@ def main():
     parser.add_argument("--lr", type=float, default=2.0)
     parser.add_argument("--batches", type=int, default=3)
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location(
-        "shapes_cpu", os.path.join(ROOT, "configs", "shapes_cpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = config_lib.load_config("shapes_cpu.py")
     mesh = parallel.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-    gen = generator.load_generator(generator.SHIPPED_BASE, mesh)
+    generator = generator_lib.load_generator(generator_lib.SHIPPED_BASE, mesh)
     train_prompts = world.split_prompts()["train"]
     picked = np.random.default_rng(0).choice(len(train_prompts), 8, replace=False)
     prompts = [train_prompts[i] for i in picked]
-    reward_fn = train.make_reward_fn(gen, ["in_domain"], train_prompts, config)
-    sigmas = evaluation.sigmas_from_config(config)
-    graphdef, params = nnx.split(gen.flux)
-    cond = gen.encode(prompts, mesh)
-    fields = dict(module.CPU_ALGORITHM)
+    reward_fn = shapes_task.make_reward_fn(generator, ["in_domain"], train_prompts, config)
+    sigmas = held_out.sigmas_from_config(config)
+    graphdef, params = nnx.split(generator.flux)
+    cond = generator.encode(prompts, mesh)
+    shapes_cpu = algorithms.Algorithm.from_config(config.algorithm)
 
     def stages(group_size):
-        algo = algorithms.Algorithm.from_config(
-            algorithms.preset("g2rpo", **dict(fields, group_size=group_size)))
-        sample, finish = iteration.make_rollout_stages(graphdef, algo, sigmas, gen.latent_shape,
-                                                       [1.0], None)
+        algo = dataclasses.replace(shapes_cpu, group_size=group_size)
+        sample, finish = iteration.make_rollout_stages(graphdef, algo, sigmas,
+                                                       generator.latent_shape, [1.0], None)
         return algo, jax.jit(sample), jax.jit(finish)
 
     algo, sample, finish = stages(8)

@@ -10,7 +10,8 @@ from flax import nnx
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, generator, parallel, pretrain
+from g2rpo_jax import config_lib, parallel, pretrain
+from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import world
 from g2rpo_jax.rl import update as update_lib
 
@@ -28,18 +29,19 @@ def main():
         section, field = name.split(".")
         config[section][field] = type(config[section][field])(value)
     mesh = parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    gen = generator.build_generator(config, mesh)
+    generator = generator_lib.build_generator(config, mesh)
     optimizer = update_lib.make_optimizer(config.optimizer)
-    fg, fp = nnx.split(gen.flux, nnx.Param)
-    eg, ep = nnx.split(gen.text_encoder, nnx.Param)
+    fg, fp = nnx.split(generator.flux, nnx.Param)
+    eg, ep = nnx.split(generator.text_encoder, nnx.Param)
     params = {"flux": fp, "text_encoder": ep}
     opt_state = jax.jit(optimizer.init)(params)
-    step = jax.jit(pretrain.make_train_step(fg, eg, gen.autoencoder, optimizer, ema_decay=0.999))
+    step = jax.jit(pretrain.make_train_step(fg, eg, generator.autoencoder, optimizer,
+                                            ema_decay=0.999))
     ema = jax.tree.map(jax.numpy.copy, params)
     rng = np.random.default_rng(0)
     prompts = [world.all_prompts()[i] for i in rng.integers(0, 975, args.batch)]
     images = np.stack([world.render_prompt(p, rng) for p in prompts])
-    ids, mask = gen.tokenize(prompts)
+    ids, mask = generator.tokenize(prompts)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     start = time.perf_counter()
     params, opt_state, ema, loss = step(params, opt_state, ema, images, ids, mask,

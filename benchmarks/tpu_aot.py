@@ -227,7 +227,7 @@ class Job:
 
 
 def make_job(config, devices) -> Job:
-    from g2rpo_jax import config_lib, evaluation, parallel
+    from g2rpo_jax import config_lib, held_out, parallel
     from g2rpo_jax.models import flux
     from g2rpo_jax.rl import update as update_lib
     from g2rpo_jax.rl.algorithms import Algorithm
@@ -240,7 +240,7 @@ def make_job(config, devices) -> Job:
     optimizer = update_lib.make_optimizer(config.optimizer)
     return Job(config=config, mesh=mesh, rules=rules, cfg=cfg,
                algo=Algorithm.from_config(config.algorithm),
-               sigmas=evaluation.sigmas_from_config(config), graphdef=graphdef, params=params,
+               sigmas=held_out.sigmas_from_config(config), graphdef=graphdef, params=params,
                optimizer=optimizer, opt_state=abstract_opt_state(optimizer, params, mesh),
                prompts=config.train.prompts_per_iteration,
                latent_shape=(config.describe.image_tokens, cfg.in_channels))

@@ -14,13 +14,14 @@ import collections
 from flax import nnx
 import numpy as np
 
-from g2rpo_jax import config_lib, evaluation, generator, parallel
+from g2rpo_jax import config_lib, held_out, parallel
+from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.rewards import verifier
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--generator", default=generator.SHIPPED_BASE)
+    parser.add_argument("--generator", default=generator_lib.SHIPPED_BASE)
     parser.add_argument("--prompts", type=int, default=96)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1234)
@@ -30,10 +31,10 @@ def main():
     config.evaluation.num_prompts = args.prompts
     config.evaluation.seed = args.seed
     mesh = parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    gen = generator.load_generator(args.generator, mesh)
-    prompts = evaluation.held_out_prompts(config)
-    evaluator = evaluation.Evaluator(config, gen, prompts, mesh, scorers=("in_domain",))
-    images = evaluator.images(nnx.state(gen.flux, nnx.Param))[:, 0]
+    generator = generator_lib.load_generator(args.generator, mesh)
+    prompts = held_out.held_out_prompts(config)
+    evaluator = held_out.Evaluator(config, generator, prompts, mesh, scorers=("in_domain",))
+    images = evaluator.images(nnx.state(generator.flux, nnx.Param))[:, 0]
     checks, scores, exclusivity = collections.defaultdict(list), [], []
     shapes = collections.Counter()
     for image, prompt in zip(images, prompts):

@@ -1,10 +1,13 @@
 """Shared pieces of the ml_collections configs in `configs/` (big_vision's `common` role).
 
 A config file's `get_config()` starts from `base_config()` and overrides fields; code reads the
-fields and never branches on a config's name.
+fields and never branches on a config's name. Programs take a config file through
+`define_config_flag()`; tests and benchmarks load one with `load_config()`.
 """
 
 import dataclasses
+import importlib.util
+import os
 
 import ml_collections
 from ml_collections import config_flags
@@ -21,6 +24,40 @@ def define_config_flag():
     return config_flags.DEFINE_config_file(
         "config", None, "Path to a config file with get_config(); override fields as "
         "--config.section.field=value.", lock_config=True)
+
+
+# The repository's config files (next to the package in a source checkout).
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def load_config(path: str, argument: str | None = None, **overrides) -> ml_collections.ConfigDict:
+    """The config of a config file, as `--config=PATH[:ARGUMENT]` gives it to a program, with
+    `--config.section.field=value` overrides.
+
+    Args:
+      path: a config file, or a bare file name ("shapes_cpu.py") of one in CONFIG_DIR.
+      argument: passed to `get_config(argument)`; None calls `get_config()`.
+      **overrides: fields by dotted name, e.g. `**{"train.num_iterations": 2}`, set in order.
+
+    Raises:
+      KeyError: an override names a field the config does not have.
+    """
+    if os.path.dirname(path) == "":
+        path = os.path.join(CONFIG_DIR, path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config() if argument is None else module.get_config(argument)
+    for dotted, value in overrides.items():
+        *sections, field = dotted.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        if field not in node:
+            raise KeyError(f"{path} has no field {dotted!r}.")
+        node[field] = value
+    return config
 
 
 def flux_model_config(**overrides) -> ml_collections.ConfigDict:
@@ -55,8 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
     # What the RL and evaluation code runs on (g2rpo_jax.tasks): "flux" (the real FLUX.1 stack:
     # flux_config) or "shapes" (the embedded world: shapes_config).
     config.task = "flux"
-    # What `main` does. "describe": build the mesh and model, report parameters and shardings,
-    # optionally time a forward pass. Later modes: train, pretrain, evaluate.
+    # What `main` does (main.MODES): "describe" builds the mesh and model, reports parameters
+    # and shardings and optionally times a forward pass; "pretrain" and "train" run
+    # g2rpo_jax/pretrain.py and g2rpo_jax/train.py.
     config.mode = "describe"
     config.model = flux_model_config()
 
@@ -204,8 +242,8 @@ def shapes_config() -> ml_collections.ConfigDict:
         axes_dims_rope=(8, 12, 12), guidance_embeds=False, scan_layers=False)
     # placement_grid: rendered objects' boxes start on a lattice of this pitch (px,
     # world.sample_scene); the patch size, so that a shape's pixels inside a token do not
-    # depend on a sub-token offset. Measured (README): with 1 (any pixel) the same pre-training
-    # gave a base that draws ragged blobs (held-out in_domain 0.242).
+    # depend on a sub-token offset: a model this small, pre-trained on objects at any pixel,
+    # draws ragged blobs (README, "The embedded world", base generator).
     config.world = ml_collections.ConfigDict(dict(
         image_size=32, patch=4, split_seed=0, held_out_fraction=0.2, placement_grid=4))
     config.text_encoder = ml_collections.ConfigDict(dict(max_length=8))

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, evaluation, parallel, storage, tasks
+from g2rpo_jax import config_lib, held_out, parallel, storage, tasks
 
 _FLAGS = {}
 
@@ -99,9 +99,9 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         shardings = jax.tree.map(lambda x: x.sharding, params)
         params = checkpoint_lib.restore_params(step_dir, abstract, shardings)
-    per_image = evaluator.per_image_scores(params)
+    evaluation = evaluator.evaluate(params)
     trained_on = tuple(task.reward_names)
-    report = dict(summarize(per_image, trained_on), checkpoint=storage.absolute(step_dir or
+    report = dict(summarize(evaluation.per_image, trained_on), checkpoint=storage.absolute(step_dir or
                                                                                 checkpoint),
                   trained_on=list(trained_on), prompts=len(evaluator.prompts),
                   samples_per_prompt=evaluator.samples, seed=config.evaluation.seed,
@@ -111,8 +111,8 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
     if jax.process_index() == 0:
         storage.write_json(output, report)
         count = min(16, len(evaluator.prompts))
-        evaluation.save_grid(os.path.splitext(output)[0] + ".png",
-                             evaluator.last_images[:count, 0], evaluator.prompts[:count])
+        held_out.save_grid(os.path.splitext(output)[0] + ".png",
+                           evaluation.first_images[:count, 0], evaluator.prompts[:count])
         label = (f"step {os.path.basename(step_dir)}" if step_dir
                  else os.path.basename(os.path.normpath(checkpoint)))
         print(f"{len(evaluator.prompts)} held-out prompts × {evaluator.samples} sample(s), "

@@ -4,9 +4,9 @@ The RL code only sees the transformer (`flux`) and a conditioning dict; this mod
 prompts into that dict and latents into images, so the embedded world (word encoder + pixel
 packing) and the real stack (T5/CLIP + the FLUX autoencoder) sit behind one interface:
 
-  gen = load_generator(path, mesh)          # or build_generator(config, mesh)
-  cond = gen.encode(prompts)                # {"txt" [P,T,D], "y" [P,Dy], "txt_ids", "img_ids"}
-  images = gen.decode(latents)              # latents [..., N, C] → images [..., H, W, 3]
+  generator = load_generator(path, mesh)    # or build_generator(config, mesh)
+  cond = generator.encode(prompts)          # {"txt" [P,T,D], "y" [P,Dy], "txt_ids", "img_ids"}
+  images = generator.decode(latents)        # latents [..., N, C] → images [..., H, W, 3]
 
 A generator is saved as one self-describing safetensors file (`state_io`): the transformer
 under "flux.", the text encoder under "text_encoder.", and a JSON config that rebuilds both.
@@ -116,11 +116,12 @@ def build_generator(config, mesh: jax.sharding.Mesh, seed: int = 0, rules=None) 
     return Generator(model, encoder, tokenizer, autoencoder, gen_config)
 
 
-def save_generator(path, gen: Generator, extra: dict | None = None):
-    """Writes the bundle (atomically); `extra` (JSON-able) is stored beside the config."""
-    config = dict(gen.config, **(extra or {}))
-    return state_io.save(path, {"flux": nnx.state(gen.flux, nnx.Param),
-                                "text_encoder": nnx.state(gen.text_encoder, nnx.Param)}, config)
+def save_generator(path, generator: Generator, metadata: dict | None = None):
+    """Writes the bundle (atomically); `metadata` (JSON-able) is stored beside the config."""
+    config = dict(generator.config, **(metadata or {}))
+    return state_io.save(path, {"flux": nnx.state(generator.flux, nnx.Param),
+                                "text_encoder": nnx.state(generator.text_encoder, nnx.Param)},
+                         config)
 
 
 def load_generator(path, mesh: jax.sharding.Mesh | None = None, rules=None,

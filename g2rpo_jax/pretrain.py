@@ -10,6 +10,7 @@ small model at the end of a noisy schedule draw visibly rougher images.
   python -m g2rpo_jax.main --config=configs/shapes_pretrain.py --workdir=DIR
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -21,9 +22,11 @@ import jax.numpy as jnp
 import optax
 import tqdm
 
-from g2rpo_jax import evaluation, generator, parallel, storage
+from g2rpo_jax import generator as generator_lib
+from g2rpo_jax import held_out, parallel, storage
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.data import reader as reader_lib
+from g2rpo_jax.data import shapes_tfds
 from g2rpo_jax.rl import update as update_lib
 
 
@@ -83,29 +86,27 @@ def make_train_step(flux_graphdef, encoder_graphdef, autoencoder, optimizer,
 def pretrain(config, workdir: str, mesh, rules) -> dict:
     """Trains a generator from scratch on the world's training split; writes
     DIR/generator.safetensors, DIR/metrics.jsonl and DIR/pretrain.json."""
-    from g2rpo_jax.data import shapes_tfds  # TODO(merge): top-level
-
     settings = config.pretrain
     if settings.get("init_checkpoint"):
         # Continue from a generator file (e.g. the shipped base) with a fresh schedule.
-        gen = generator.load_generator(settings.init_checkpoint, mesh, rules)
-        expected = generator.generator_config(config)
-        if {k: gen.config.get(k) for k in expected} != expected:
+        generator = generator_lib.load_generator(settings.init_checkpoint, mesh, rules)
+        expected = generator_lib.generator_config(config)
+        if {k: generator.config.get(k) for k in expected} != expected:
             raise ValueError(f"pretrain.init_checkpoint {settings.init_checkpoint} holds a "
                              "different architecture or vocabulary than this config's model/"
                              "world sections; start from scratch (init_checkpoint='') or match "
                              "the config to the file.")
     else:
-        gen = generator.build_generator(config, mesh, config.seed, rules)
+        generator = generator_lib.build_generator(config, mesh, config.seed, rules)
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
     train_source = shapes_tfds.load_split(data_dir, "train", shapes_tfds.config_from(config))
     reader = reader_lib.Reader(train_source, settings.batch_size, seed=config.seed,
                                rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
-    held_out = evaluation.held_out_prompts(config)
+    held_out_prompts = held_out.held_out_prompts(config)
 
     optimizer = update_lib.make_optimizer(config.optimizer)
-    flux_graphdef, flux_params = nnx.split(gen.flux, nnx.Param)
-    enc_graphdef, enc_params = nnx.split(gen.text_encoder, nnx.Param)
+    flux_graphdef, flux_params = nnx.split(generator.flux, nnx.Param)
+    enc_graphdef, enc_params = nnx.split(generator.text_encoder, nnx.Param)
     params = parallel.replicate_unplaced({"flux": flux_params, "text_encoder": enc_params}, mesh)
     opt_state = parallel.replicate_unplaced(jax.jit(optimizer.init)(params), mesh)
     ema_decay = float(settings.get("ema_decay", 0.0))
@@ -113,24 +114,21 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
         raise ValueError(f"pretrain.ema_decay is {ema_decay}; use 0 (no average) or a value in "
                          "(0, 1), e.g. 0.999.")
     ema = jax.tree.map(jnp.copy, params) if ema_decay else None
-    step_fn = jax.jit(make_train_step(flux_graphdef, enc_graphdef, gen.autoencoder, optimizer,
-                                      ema_decay), donate_argnums=(0, 1, 2))
+    step_fn = jax.jit(make_train_step(flux_graphdef, enc_graphdef, generator.autoencoder,
+                                      optimizer, ema_decay), donate_argnums=(0, 1, 2))
 
-    def load_sampled_weights():
-        """Puts the weights that are evaluated and written (the average when there is one)
-        into `gen`; returns them."""
-        weights = ema if ema_decay else params
-        gen.flux = nnx.merge(flux_graphdef, weights["flux"])
-        gen.text_encoder = nnx.merge(enc_graphdef, weights["text_encoder"])
-        return weights
+    def sampled_weights():
+        """The weights that are evaluated and written: the average when there is one."""
+        return ema if ema_decay else params
 
     logger = metrics_lib.MetricsLogger(workdir)
-    evaluator = evaluation.Evaluator(config, gen, held_out, mesh, scorers=("in_domain",
-                                                                           "quality"))
+    evaluator = held_out.Evaluator(config, generator, held_out_prompts, mesh,
+                                   scorers=("in_domain", "quality"))
 
     def evaluate(step):
-        weights = load_sampled_weights()
-        scores = evaluator.scores(weights["flux"], text_encoder=gen.text_encoder)
+        weights = sampled_weights()
+        scores = evaluator.scores(
+            weights["flux"], text_encoder=nnx.merge(enc_graphdef, weights["text_encoder"]))
         logger.write(step, {f"eval/{k}": v for k, v in scores.items()})
         return scores
 
@@ -142,7 +140,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     with jax.set_mesh(mesh):
         for step in bar:
             batch = next(reader)
-            ids, mask = gen.tokenize(batch["prompt"])
+            ids, mask = generator.tokenize(batch["prompt"])
             arrays = [parallel.from_local_rows(a, mesh, settings.batch_size, rules=rules)
                       for a in (batch["image"], ids, mask)]
             params, opt_state, ema, loss = step_fn(params, opt_state, ema, *arrays,
@@ -160,15 +158,18 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
                 scores = evaluate(step + 1)
         scores = evaluate(settings.num_steps)
     seconds = time.perf_counter() - start
-    load_sampled_weights()
-    gen.config = generator.generator_config(config)  # not the init file's metadata
+    weights = sampled_weights()
+    trained = dataclasses.replace(
+        generator, flux=nnx.merge(flux_graphdef, weights["flux"]),
+        text_encoder=nnx.merge(enc_graphdef, weights["text_encoder"]),
+        config=generator_lib.generator_config(config))   # not the init file's metadata
     report = {"steps": settings.num_steps, "batch_size": settings.batch_size,
               "seconds": seconds, "held_out": scores, "seed": config.seed,
               "ema_decay": ema_decay, "placement_grid": config.world.get("placement_grid", 1),
               "init_checkpoint": os.path.basename(settings.get("init_checkpoint") or "")}
     if jax.process_index() == 0:
-        path = generator.save_generator(os.path.join(workdir, "generator.safetensors"), gen,
-                                        {"pretrain": report})
+        path = generator_lib.save_generator(os.path.join(workdir, "generator.safetensors"),
+                                            trained, {"pretrain": report})
         with storage.open_atomic(os.path.join(workdir, "pretrain.json"), "w") as f:
             json.dump(report, f, indent=2)
         logging.info("Wrote %s; held-out scores %s after %.0f s.", path, scores, seconds)

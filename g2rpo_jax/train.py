@@ -32,15 +32,11 @@ import numpy as np
 import tqdm
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import evaluation, parallel, preemption, storage, tasks
+from g2rpo_jax import held_out, parallel, preemption, storage, tasks
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import update as update_lib
 from g2rpo_jax.rl.algorithms import Algorithm
-from g2rpo_jax.tasks import shapes as shapes_task
-
-# The shapes world's training reward (kept here for the benchmarks that build it directly).
-make_reward_fn = shapes_task.make_reward_fn
 
 
 def _fresh_loop_state() -> dict:
@@ -78,7 +74,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     settings = config.train
     task = tasks.build(config, mesh, rules)
     algo = Algorithm.from_config(config.algorithm)
-    sigmas = evaluation.sigmas_from_config(config)
+    sigmas = held_out.sigmas_from_config(config)
     reward_names = list(task.reward_names)
 
     graphdef, params = nnx.split(task.policy)
@@ -119,11 +115,12 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     def evaluate(iteration, name=None):
         if evaluator is None:  # no held-out prompts configured
             return {}
-        scores = evaluator.scores(state.params)
+        evaluation = evaluator.evaluate(state.params)
+        scores = evaluation.means()
         logger.write(iteration, {f"eval/{k}": v for k, v in scores.items()})
         if name and jax.process_index() == 0:
-            evaluation.save_grid(
-                os.path.join(images_dir, f"{name}.png"), evaluator.last_images[:grid_count, 0],
+            held_out.save_grid(
+                os.path.join(images_dir, f"{name}.png"), evaluation.first_images[:grid_count, 0],
                 evaluator.prompts[:grid_count],
                 title=f"{name} (iteration {iteration}): " + ", ".join(
                     f"{k} {v:.3f}" for k, v in scores.items()))
@@ -143,7 +140,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         logging.info("Base held-out scores: %s", loop["base"])
     num_iterations = settings.num_iterations
     compiled_update = None
-    headline = task.score_names[0] if task.score_names else None
+    # The held-out score the progress bar shows (the task's first).
+    progress_score = task.score_names[0] if task.score_names else None
     last_save = time.monotonic()
     watcher = preemption.Watcher()
     cleanup.callback(watcher.close)
@@ -191,7 +189,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                          "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
                          "clip": f"{summary['clip_fraction']:.2f}",
                          "skipped": loop["skipped_steps"],
-                         "held_out": f"{loop['latest'].get(headline, float('nan')):.3f}"})
+                         "held_out": f"{loop['latest'].get(progress_score, float('nan')):.3f}"})
         if it + 1 == num_iterations:
             break   # the final evaluation and save follow
         if watcher.reached(it + 1):

@@ -9,8 +9,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 
-import g2rpo_jax  # noqa: E402,F401  (sets XLA_FLAGS before the backend starts)
-
 jax.config.update("jax_num_cpu_devices", 8)
 # One persistent compilation cache for the session (the controller makes it; xdist workers
 # inherit the variable): the many short RL runs compile the same programs once.

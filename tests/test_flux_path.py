@@ -4,7 +4,6 @@ preprocess (twice: identical records; embeddings equal to transformers' encoders
 iterations (rollout → decode with the FLUX autoencoder → HPS reward → update) → evaluation of
 the Orbax checkpoint with every configured reward; and the errors."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import evaluate, parallel, preprocess, train
+from g2rpo_jax import config_lib, evaluate, parallel, preprocess, train
 from g2rpo_jax.data import embedding_dataset
 from g2rpo_jax.models import clip_text, flux_weights, t5
 from g2rpo_jax.testing import flux_fixture, flux_reference
@@ -28,17 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_config(overrides: dict, **fields):
     """configs/flux_tiny.py pointed at the fixture, RL mode, data=2 × fsdp=4 mesh."""
-    spec = importlib.util.spec_from_file_location(
-        "flux_tiny", os.path.join(ROOT, "configs", "flux_tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    config.mode = "train"
-    config.mesh.data, config.mesh.fsdp = 2, 4
-    for key, value in dict(overrides, **fields).items():
-        section, name = key.split(".")
-        config[section][name] = value
-    return config
+    return config_lib.load_config("flux_tiny.py", **{"mode": "train", "mesh.data": 2,
+                                                     "mesh.fsdp": 4, **overrides, **fields})
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """configs/flux_tpu.py: every variant loads, and its fields are method.md's numbers (written out
 here by hand, not read from the config module)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,11 +16,8 @@ ALGORITHMS = ("g2rpo", "g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo")
 
 
 def load(argument=None):
-    spec = importlib.util.spec_from_file_location(
-        "flux_tpu_config", os.path.join(ROOT, "configs", "flux_tpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(argument) if argument is not None else module.get_config()
+    """configs/flux_tpu.py's config for `argument` (None: its default)."""
+    return config_lib.load_config("flux_tpu.py", argument)
 
 
 @pytest.mark.parametrize("reward", ["hps", "hps_clip"])

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from g2rpo_jax import config_lib, generator, parallel, pretrain
+from g2rpo_jax import config_lib, parallel, pretrain
+from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import world
 from g2rpo_jax.rl import update as update_lib
 
@@ -29,19 +30,20 @@ def test_update_is_the_convex_combination():
 
 def test_train_step_averages_the_updated_weights():
     config = config_lib.shapes_config()
-    gen = generator.build_generator(config, parallel.make_mesh({"data": -1, "fsdp": 1,
-                                                                "tensor": 1}), 0)
-    fg, fp = nnx.split(gen.flux, nnx.Param)
-    eg, ep = nnx.split(gen.text_encoder, nnx.Param)
+    generator = generator_lib.build_generator(
+        config, parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}), 0)
+    fg, fp = nnx.split(generator.flux, nnx.Param)
+    eg, ep = nnx.split(generator.text_encoder, nnx.Param)
     params = {"flux": fp, "text_encoder": ep}
     optimizer = update_lib.make_optimizer(config_lib.ml_collections.ConfigDict(dict(
         learning_rate=1e-2, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
         b2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0)))
-    step = jax.jit(pretrain.make_train_step(fg, eg, gen.autoencoder, optimizer, ema_decay=0.999))
+    step = jax.jit(pretrain.make_train_step(fg, eg, generator.autoencoder, optimizer,
+                                            ema_decay=0.999))
     rng = np.random.default_rng(0)
     prompts = world.all_prompts()[:4]
     images = np.stack([world.render_prompt(p, rng) for p in prompts])
-    ids, mask = gen.tokenize(prompts)
+    ids, mask = generator.tokenize(prompts)
     ema0 = jax.tree.map(jnp.copy, params)
     new_params, _, ema, loss = step(params, optimizer.init(params), ema0, images, ids, mask,
                                     jax.random.key(0), 0)

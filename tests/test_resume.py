@@ -344,9 +344,9 @@ def test_workdir_of_another_model_names_keys_shapes_and_fields(short_run, tmp_pa
     run = _copy_run(workdir, tmp_path)
     other = config.copy_and_resolve_references()
     other.model.num_layers = 1
-    gen = generator.build_generator(other, mesh, seed=1)
+    one_layer = generator.build_generator(other, mesh, seed=1)
     path = str(tmp_path / "one_layer.safetensors")
-    generator.save_generator(path, gen)
+    generator.save_generator(path, one_layer)
     other.model.checkpoint = path
     with pytest.raises(checkpoint_lib.CheckpointError) as error:
         train.train(other, str(run), mesh, _rules(other))

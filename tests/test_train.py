@@ -1,7 +1,6 @@
 """The embedded default end to end: a shortened RL run of every algorithm from the shipped base,
 a shortened pre-training run, the shipped base against a random generator, and bad input."""
 
-import importlib.util
 import json
 import os
 
@@ -12,22 +11,13 @@ from PIL import Image
 import pytest
 import resume_helpers
 
-from g2rpo_jax import evaluation, generator, parallel, pretrain, train
+from g2rpo_jax import config_lib, generator, held_out, parallel, pretrain, train
 from g2rpo_jax.models import state_io
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(name: str, argument: str | None = None):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(argument) if argument else module.get_config()
 
 
 def short_rl_config(data_dir, algorithm="g2rpo", iterations=2):
     """configs/shapes_cpu.py, shrunk: 6 steps, groups of 4, 8 prompts, 8 held-out prompts."""
-    config = load_config("shapes_cpu.py", algorithm)
+    config = config_lib.load_config("shapes_cpu.py", algorithm)
     config.sampling.num_steps = 6
     config.algorithm.group_size = 4
     config.algorithm.branch_steps = (0, 1)
@@ -123,15 +113,15 @@ def test_every_algorithm_runs(tmp_path, data_dir, mesh, algorithm):
 
 
 def test_shipped_base_beats_a_random_generator_on_held_out_prompts(mesh):
-    config = load_config("shapes_cpu.py")
+    config = config_lib.load_config("shapes_cpu.py")
     config.evaluation.num_prompts = 48
-    prompts = evaluation.held_out_prompts(config)
+    prompts = held_out.held_out_prompts(config)
     base = generator.load_generator(generator.SHIPPED_BASE, mesh)
-    base_scores = evaluation.Evaluator(config, base, prompts, mesh, ("in_domain", "quality")
-                                       ).scores(nnx.state(base.flux))
+    base_scores = held_out.Evaluator(config, base, prompts, mesh, ("in_domain", "quality")
+                                     ).scores(nnx.state(base.flux))
     random = generator.build_generator(config, mesh, seed=3)
-    random_scores = evaluation.Evaluator(config, random, prompts, mesh, ("in_domain", "quality")
-                                         ).scores(nnx.state(random.flux))
+    random_scores = held_out.Evaluator(config, random, prompts, mesh, ("in_domain", "quality")
+                                       ).scores(nnx.state(random.flux))
     print(f"held-out in_domain: base {base_scores['in_domain']:.3f}, random "
           f"{random_scores['in_domain']:.3f}")
     assert base_scores["in_domain"] > random_scores["in_domain"] + 0.1
@@ -139,7 +129,7 @@ def test_shipped_base_beats_a_random_generator_on_held_out_prompts(mesh):
 
 
 def test_short_pretraining_writes_a_loadable_generator(tmp_path, data_dir, mesh):
-    config = load_config("shapes_pretrain.py")
+    config = config_lib.load_config("shapes_pretrain.py")
     config.pretrain.num_steps = 3
     config.pretrain.batch_size = 8
     config.pretrain.eval_every = 0
@@ -160,7 +150,7 @@ def test_short_pretraining_writes_a_loadable_generator(tmp_path, data_dir, mesh)
 def test_pretraining_continues_from_a_generator_file(tmp_path, data_dir, mesh):
     """pretrain.init_checkpoint loads the file's weights: with a zero learning rate the written
     generator equals the shipped base tensor for tensor; another architecture is refused."""
-    config = load_config("shapes_pretrain.py")
+    config = config_lib.load_config("shapes_pretrain.py")
     config.pretrain.update(num_steps=2, batch_size=8, eval_every=0,
                            init_checkpoint=generator.SHIPPED_BASE, ema_decay=0.0)
     config.optimizer.update(learning_rate=0.0, warmup_steps=1)
@@ -202,8 +192,8 @@ def test_unknown_word_and_empty_prompt_list_are_named():
 
 
 def test_empty_held_out_split_is_named(monkeypatch):
-    config = load_config("shapes_cpu.py")
-    monkeypatch.setattr(evaluation.world, "split_prompts",
+    config = config_lib.load_config("shapes_cpu.py")
+    monkeypatch.setattr(held_out.world, "split_prompts",
                         lambda seed, fraction: {"train": ["a red circle"], "held_out": []})
     with pytest.raises(ValueError, match="held-out prompt split is empty"):
-        evaluation.held_out_prompts(config)
+        held_out.held_out_prompts(config)

@@ -274,7 +274,7 @@ def jax_judge_fn(judge: Judge, tokenizer: WordTokenizer, prompts_by_index: Seque
     `(cos(image, prompts_by_index[id]) + 1) / 2`, pure JAX (no host callback), so it may be
     jitted, vmapped and sharded like any array function. The prompts are tokenized and encoded
     here, once, into a [P, embed_dim] table gathered by id (unknown words raise ValueError now);
-    ids outside [0, P) give NaN, as with `verifier.jax_reward_fn`."""
+    ids outside [0, P) give NaN."""
     prompts = list(prompts_by_index)
     if not prompts:
         raise ValueError("No prompts (an empty prompts_by_index).")

@@ -1,8 +1,7 @@
 """A verifiable reward for the embedded world (`g2rpo_jax.data.world`) and an image-quality probe.
 
 Both read images, [H, W, 3] uint8 or float in [0, 1] (floats are clipped to [0, 1]); they are
-host (numpy) functions, with `jax_reward_fn` / `jax_quality_fn` wrapping them in
-`jax.pure_callback` for use inside `jit`.
+host (numpy) functions, called between jitted programs (`score_batch`, `quality_batch`).
 
 Pipeline
     1. `classify_pixels`: each pixel takes the nearest of the background and the palette colours
@@ -55,11 +54,8 @@ Quality (`quality`, in [0, 1])
 """
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from g2rpo_jax.data import world
@@ -333,63 +329,3 @@ def score_batch(images, prompts) -> np.ndarray:
 def quality_batch(images) -> np.ndarray:
     """[B, H, W, 3] images → float32 [B] qualities."""
     return np.array([quality(img) for img in np.asarray(images)], np.float32)
-
-
-def _host_scores(prompts: tuple[str, ...], images, prompt_ids) -> np.ndarray:
-    images, prompt_ids = np.asarray(images), np.asarray(prompt_ids)
-    lead = prompt_ids.shape
-    images = images.reshape((-1, *images.shape[-3:]))
-    out = np.full(images.shape[0], np.nan, np.float32)
-    for i, (img, pid) in enumerate(zip(images, prompt_ids.reshape(-1))):
-        if 0 <= pid < len(prompts):
-            out[i] = score(img, prompts[pid])
-    return out.reshape(lead)
-
-
-def _host_quality(images) -> np.ndarray:
-    images = np.asarray(images)
-    lead = images.shape[:-3]
-    return quality_batch(images.reshape((-1, *images.shape[-3:]))).reshape(lead)
-
-
-def _check_batch(images, prompt_ids=None):
-    images = jnp.asarray(images)
-    if images.ndim < 4 or images.shape[-1] != 3:
-        raise ValueError(f"Expected images [..., H, W, 3]; got shape {images.shape}.")
-    if prompt_ids is None:
-        return images, None
-    prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
-    if prompt_ids.shape != images.shape[:-3]:
-        raise ValueError(f"prompt_ids shape {prompt_ids.shape} does not match the images' batch "
-                         f"shape {images.shape[:-3]}.")
-    return images, prompt_ids
-
-
-def jax_reward_fn(prompts_by_index):
-    """→ reward(images [..., H, W, 3] in [0, 1] (or uint8), prompt_ids [...] int) → float32 [...]:
-    `score(images[i], prompts_by_index[prompt_ids[i]])`, computed on the host through
-    `jax.pure_callback`, so it may be called inside `jit` (and `vmap`). Ids outside the list
-    give NaN (a callback may not raise). The prompts are parsed here, so bad ones fail early."""
-    prompts = tuple(prompts_by_index)
-    for prompt in prompts:
-        world.parse_prompt(prompt)
-    host = functools.partial(_host_scores, prompts)
-
-    def reward(images, prompt_ids):
-        images, prompt_ids = _check_batch(images, prompt_ids)
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(prompt_ids.shape, jnp.float32),
-                                 images, prompt_ids, vmap_method="broadcast_all")
-
-    return reward
-
-
-def jax_quality_fn():
-    """→ quality(images [..., H, W, 3]) → float32 [...], via `jax.pure_callback`."""
-
-    def quality_fn(images):
-        images, _ = _check_batch(images)
-        return jax.pure_callback(_host_quality,
-                                 jax.ShapeDtypeStruct(images.shape[:-3], jnp.float32), images,
-                                 vmap_method="broadcast_all")
-
-    return quality_fn

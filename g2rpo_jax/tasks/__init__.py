@@ -15,7 +15,7 @@ KINDS = ("shapes", "flux")
 
 def build(config, mesh, rules, training: bool = True) -> Task:
     """The task named by `config.task` (training=False: only what evaluation needs)."""
-    kind = config.get("task", "shapes")
+    kind = config.task
     if kind == "shapes":
         from g2rpo_jax.tasks import shapes
 

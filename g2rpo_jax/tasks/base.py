@@ -13,12 +13,13 @@ class Batch:
     cond: the conditioning on the mesh: {"txt" [P, T, D], "y" [P, Dy]} split over the batch
       axes, {"txt_ids" [T, 3], "img_ids" [N, 3]} replicated (P prompts over all processes).
     prompts: this process's prompts [P_host], in the order of its rows of `cond`.
-    extra: what the task's reward needs besides the prompts (e.g. prompt indices).
+    prompt_ids: [P_host] int, each prompt's index in the task's training prompts (the shapes
+      task's rewards look the prompts up by it).
     """
 
     cond: dict
     prompts: list[str]
-    extra: Any = None
+    prompt_ids: np.ndarray | None = None
 
 
 class Task(Protocol):
@@ -26,7 +27,7 @@ class Task(Protocol):
     latent_shape: (N, C) of one sample's packed latents.
     reward_names / reward_weights: the training rewards (the R axis of `rewards`), weights
       in the advantage.
-    evaluator: an `evaluation.Evaluator` of the held-out prompts, or None (no evaluation).
+    evaluator: a `held_out.Evaluator` of the held-out prompts, or None (no evaluation).
     score_names: what the evaluator reports, in order; in_domain: those that are also trained
       on (the rest are out-of-domain)."""
 

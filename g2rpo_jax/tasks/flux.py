@@ -24,7 +24,7 @@ import os
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, evaluation, parallel, storage
+from g2rpo_jax import config_lib, held_out, parallel, storage
 from g2rpo_jax import rewards as rewards_lib
 from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
@@ -88,9 +88,9 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class FluxStack:
-    """The policy and the autoencoder bound to one image size: the model bundle the evaluator
-    takes (`flux`, `latent_shape`, `decode`)."""
+class FluxGenerator:
+    """FLUX.1 as the evaluator's model bundle (`flux`, `latent_shape`, `decode`): the policy and
+    the autoencoder bound to one image size. No text encoders: the prompts come preprocessed."""
 
     flux: flux.Flux
     autoencoder: autoencoder_lib.PackedAutoencoder
@@ -216,8 +216,8 @@ class FluxTask:
         self.mesh, self.rules = mesh, parallel.rules_from_config(rules)
         execution = config_lib.execution_fields(config.model)
         self.policy = flux_weights.from_pretrained(
-            storage.local(config.model.checkpoint, parts=("transformer",)), mesh=mesh, rules=self.rules,
-                                           **execution)
+            storage.local(config.model.checkpoint, parts=("transformer",)), mesh=mesh,
+            rules=self.rules, **execution)
         cfg = self.policy.cfg
         self.host_mesh = local_mesh()
         vae_path = storage.local(config.autoencoder.path or model_folder(config),
@@ -228,9 +228,9 @@ class FluxTask:
         ae = autoencoder_weights.from_pretrained(vae_path, config.autoencoder.dtype,
                                                  mesh=self.host_mesh)
         height, width = config.image.height, config.image.width
-        self.stack = FluxStack(self.policy, ae.at(height, width), self.host_mesh,
-                               config.reward.batch_size)
-        n, c = self.stack.latent_shape
+        self.generator = FluxGenerator(self.policy, ae.at(height, width), self.host_mesh,
+                                       config.reward.batch_size)
+        n, c = self.generator.latent_shape
         if c != cfg.in_channels:
             raise ValueError(f"The autoencoder's packed latents have {c} channels "
                              f"({ae.cfg.latent_channels} × 2×2) but the transformer takes "
@@ -250,18 +250,19 @@ class FluxTask:
                 rows=parallel.host_row_indices(mesh, self.prompts_per_iteration, self.rules))
             self._shared = self._shared_cond(source.metadata["t5_max_length"])
         self.evaluator, self.score_names, self.in_domain = None, (), ()
-        held_out = load_embeddings(config, "eval", cfg)
-        if held_out is not None:
-            self.evaluator = self._evaluator(config, held_out)
-            self.score_names = self.evaluator.scorers
+        eval_source = load_embeddings(config, "eval", cfg)
+        if eval_source is not None:
+            self.score_names = tuple(config.reward.evaluate) or self.reward_names
+            self.evaluator = self._evaluator(config, eval_source)
             self.in_domain = tuple(n for n in self.score_names if n in self.reward_names)
 
     def _shared_cond(self, text_length: int) -> dict:
         """FLUX's position ids: zeros for the text tokens, (0, row, col) for image tokens."""
         return {"txt_ids": np.zeros((text_length, 3), np.float32),
-                "img_ids": self.stack.image_ids()}
+                "img_ids": self.generator.image_ids()}
 
-    def _evaluator(self, config, source) -> evaluation.Evaluator:
+    def _evaluator(self, config, source) -> held_out.Evaluator:
+        """The held-out prompts of `source`, scored by `score_images` on `score_names`."""
         records = source.records_by_index()
         if config.evaluation.num_prompts > 0:
             records = records[:config.evaluation.num_prompts]
@@ -270,21 +271,20 @@ class FluxTask:
         cond = dict(self._shared_cond(source.metadata["t5_max_length"]),
                     txt=np.stack([np.asarray(r["t5"], np.float32) for r in records]),
                     y=np.stack([np.asarray(r["clip_pooled"], np.float32) for r in records]))
-        names = tuple(config.reward.evaluate) or self.reward_names
-        self._eval_names = names
-        return evaluation.Evaluator(config, self.stack, prompts, self.mesh, names, cond=cond,
-                                    score_fn=self.score_images)
+        return held_out.Evaluator(config, self.generator, prompts, self.mesh, self.score_names,
+                                  cond=cond, score_fn=self.score_images)
 
     def score_images(self, images: np.ndarray, prompts) -> dict[str, np.ndarray]:
-        """Host images [P, M, H, W, 3] of prompts [P] → {name: [P, M]} (the evaluator's)."""
+        """Host images [P, M, H, W, 3] of prompts [P] → {name: [P, M]} for every name of
+        `score_names` (the evaluator's)."""
         p, m = images.shape[:2]
         flat = images.reshape(p * m, *images.shape[2:])
         repeated = [prompt for prompt in prompts for _ in range(m)]
         parts = []
         for a, b, n in micro_batches(len(flat), self.batch_size, self.host_mesh.size):
-            part = self.stack.place(pad_rows(flat[a:b], n))
+            part = self.generator.place(pad_rows(flat[a:b], n))
             scores = self.reward_models.score(part, pad_rows(np.asarray(repeated[a:b]), n),
-                                              self._eval_names)
+                                              self.score_names)
             parts.append({k: v[:b - a] for k, v in scores.items()})
         return {k: np.concatenate([s[k] for s in parts]).reshape(p, m) for k in parts[0]}
 
@@ -311,7 +311,7 @@ class FluxTask:
         repeated = np.asarray([prompt for prompt in batch.prompts for _ in range(m)])
         scores = {name: [] for name in self.reward_names}
         for a, b, n in micro_batches(len(flat), self.batch_size, self.host_mesh.size):
-            images = self.stack.decode_rows(pad_rows(flat[a:b], n))
+            images = self.generator.decode_rows(pad_rows(flat[a:b], n))
             part = self.reward_models.score(images, pad_rows(repeated[a:b], n),
                                             self.reward_names)
             for name in self.reward_names:

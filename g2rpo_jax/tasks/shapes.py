@@ -3,33 +3,35 @@ transformer, pixel autoencoder), prompts from the TFDS train split, the verifier
 quality scores as rewards, the held-out split as evaluation, `generator.safetensors` as output.
 """
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, evaluation, generator, parallel
+from g2rpo_jax import config_lib, held_out, parallel
+from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.sampling import rollout
 from g2rpo_jax.tasks.base import Batch
 
 
-def make_reward_fn(gen: generator.Generator, names, prompts, config):
+def make_reward_fn(generator: generator_lib.Generator, names, prompts, config):
     """The training reward, computed on the host between the rollout's two jitted stages:
     `reward_fn(latents [P, M, N, C], prompt_ids [P] (indices into prompts)) -> float32
-    [R, P, M]` over the named scores (`evaluation.score_images`)."""
-    unknown = [n for n in names if n not in evaluation.SCORES]
+    [R, P, M]` over the named scores (`held_out.score_images`)."""
+    unknown = [n for n in names if n not in held_out.SCORES]
     if unknown or not names:
-        raise ValueError(f"reward.train must name rewards from {evaluation.SCORES}; got "
+        raise ValueError(f"reward.train must name rewards from {held_out.SCORES}; got "
                          f"{list(names)}.")
-    judge = evaluation.judge_fn(config, prompts) if "out_of_domain" in names else None
-    decode = jax.jit(gen.decode)
+    judge = held_out.judge_fn(config, prompts) if "out_of_domain" in names else None
+    decode = jax.jit(generator.decode)
 
     def reward_fn(latents, prompt_ids):
         images = np.asarray(decode(latents))                          # [P, M, H, W, 3]
-        scores = evaluation.score_images(images, [prompts[i] for i in prompt_ids], names,
-                                         judge, prompt_ids)
+        scores = held_out.score_images(images, [prompts[i] for i in prompt_ids], names,
+                                       judge, prompt_ids)
         return np.stack([scores[n] for n in names])
     return reward_fn
 
@@ -52,11 +54,12 @@ class ShapesTask:
             raise ValueError("config.model.checkpoint is empty: RL starts from a generator file "
                              "(the shipped base: configs/shapes_cpu.py sets it).")
         execution = config_lib.execution_fields(config.model)
-        self.gen = generator.load_generator(config.model.checkpoint, mesh, rules, **execution)
+        self.generator = generator_lib.load_generator(config.model.checkpoint, mesh, rules,
+                                                      **execution)
         self.mesh, self.rules = mesh, rules
         self.prompts_per_iteration = config.train.prompts_per_iteration
-        self.policy = self.gen.flux
-        self.latent_shape = self.gen.latent_shape
+        self.policy = self.generator.flux
+        self.latent_shape = self.generator.latent_shape
         self.reward_names = tuple(config.reward.train)
         self.reward_weights = tuple(config.reward.weights)
         if training:
@@ -64,17 +67,17 @@ class ShapesTask:
                                                 config.world.held_out_fraction)["train"]
             self._prompt_index = {p: i for i, p in enumerate(train_prompts)}
             self.reader = prompt_stream(config, mesh, rules)
-        self.evaluator = evaluation.Evaluator(config, self.gen,
-                                              evaluation.held_out_prompts(config), mesh)
+        self.evaluator = held_out.Evaluator(config, self.generator,
+                                            held_out.held_out_prompts(config), mesh)
         self.score_names = self.evaluator.scorers
         self.in_domain = tuple(n for n in self.score_names if n in self.reward_names)
         if training:
-            self._reward_fn = make_reward_fn(self.gen, list(self.reward_names), train_prompts,
-                                             config)
+            self._reward_fn = make_reward_fn(self.generator, list(self.reward_names),
+                                             train_prompts, config)
 
     def next_batch(self) -> Batch:
         prompts = next(self.reader)["prompt"]
-        cond = rollout.place_cond(self.gen.encode(prompts), self.mesh, self.rules,
+        cond = rollout.place_cond(self.generator.encode(prompts), self.mesh, self.rules,
                                   prompts=self.prompts_per_iteration)
         ids = np.asarray([self._prompt_index[p] for p in prompts], np.int32)
         return Batch(cond, prompts, ids)
@@ -87,10 +90,11 @@ class ShapesTask:
 
     def rewards(self, finals, batch: Batch) -> np.ndarray:
         local = parallel.local_rows(finals, self.mesh, rules=self.rules)   # [P_host, M, N, C]
-        return parallel.gather_rows(self._reward_fn(local, batch.extra), self.mesh,
+        return parallel.gather_rows(self._reward_fn(local, batch.prompt_ids), self.mesh,
                                     self.prompts_per_iteration, axis=1, rules=self.rules)
 
     def save(self, workdir: str, policy, metadata: dict) -> str:
-        self.gen.flux = policy
-        return generator.save_generator(os.path.join(workdir, "generator.safetensors"),
-                                        self.gen, {"rl": metadata})
+        """The starting generator with the fine-tuned transformer, as one generator file."""
+        fine_tuned = dataclasses.replace(self.generator, flux=policy)
+        return generator_lib.save_generator(os.path.join(workdir, "generator.safetensors"),
+                                            fine_tuned, {"rl": metadata})

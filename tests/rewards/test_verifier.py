@@ -1,7 +1,5 @@
 """The verifier: hand-drawn images with known scores, rendered prompts score 1, mismatches less."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -326,52 +324,3 @@ def test_batches():
     np.testing.assert_array_equal(verifier.quality_batch(images), np.ones(len(prompts)))
     with pytest.raises(ValueError, match="prompts"):
         verifier.score_batch(images, prompts[:2])
-
-
-# ---------------------------------------------------------------------------------------------
-# JAX wrapper
-# ---------------------------------------------------------------------------------------------
-
-
-def test_jax_reward_fn_under_jit_and_vmap():
-    rng = np.random.default_rng(7)
-    prompts = world.all_prompts()[::50]
-    ids = rng.integers(len(prompts), size=8)
-    images = np.stack([world.render_prompt(prompts[i], rng) for i in rng.integers(len(prompts),
-                                                                                   size=8)])
-    images = images.astype(np.float32) / 255
-    images[0] = 0.0  # all background
-    expected = verifier.score_batch(images, [prompts[i] for i in ids])
-    reward = verifier.jax_reward_fn(prompts)
-
-    @jax.jit
-    def f(x, i):
-        return reward(x * 1.0, i) + 0.0
-
-    got = f(jnp.asarray(images), jnp.asarray(ids))
-    assert got.dtype == jnp.float32 and got.shape == (8,)
-    np.testing.assert_allclose(np.asarray(got), expected)
-    assert expected[0] == 0.0 and 0.0 < expected[1:].max()
-    # vmap over a leading axis (the callback sees the whole batch at once).
-    got2 = jax.jit(jax.vmap(reward))(jnp.asarray(images).reshape(2, 4, 32, 32, 3),
-                                     jnp.asarray(ids).reshape(2, 4))
-    np.testing.assert_allclose(np.asarray(got2).reshape(-1), expected)
-    # Own prompts score 1 through the callback too; unknown ids give NaN.
-    own = np.stack([world.render_prompt(p, rng) for p in prompts]).astype(np.float32) / 255
-    np.testing.assert_array_equal(
-        np.asarray(jax.jit(reward)(own, jnp.arange(len(prompts)))), np.ones(len(prompts)))
-    bad = np.asarray(jax.jit(reward)(own[:2], jnp.array([0, len(prompts)])))
-    assert bad[0] == 1.0 and np.isnan(bad[1])
-    with pytest.raises(ValueError, match="purple"):
-        verifier.jax_reward_fn(["a purple circle"])
-    with pytest.raises(ValueError, match="shape"):
-        reward(own[:2], jnp.arange(3))
-
-
-def test_jax_quality_fn_under_jit():
-    rng = np.random.default_rng(8)
-    images = np.stack([world.render_prompt("a red circle", rng), blank()]).astype(np.float32)
-    images = np.concatenate([images / 255, rng.random((2, 32, 32, 3), np.float32)])
-    got = np.asarray(jax.jit(verifier.jax_quality_fn())(jnp.asarray(images)))
-    np.testing.assert_allclose(got, verifier.quality_batch(images))
-    assert got[0] == got[1] == 1.0 and got[2:].max() < 0.5

@@ -77,16 +77,10 @@ def test_forward_pass_counts_match_method_cost_paragraph():
 
 @pytest.mark.parametrize("name", list(algorithms.PRESETS))
 def test_config_files_select_algorithms_by_argument(name):
-    import importlib.util
-    import os
-
+    from g2rpo_jax import config_lib
     from g2rpo_jax.rl import update
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "flux_tiny.py")
-    spec = importlib.util.spec_from_file_location("flux_tiny_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(name)
+    config = config_lib.load_config("flux_tiny.py", name)
     algo = algorithms.Algorithm.from_config(config.algorithm)
     assert config.algorithm.name == name
     # flux_tiny sizes every preset down (groups of 4; G²RPO branches at steps 0 and 1) and

@@ -1,7 +1,8 @@
 """Held-out evaluation of a generator: deterministic ODE samples from fixed noise, scored by the
 in-domain verifier, the out-of-domain learned judge and the image-quality probe; image grids.
 The FLUX task gives `Evaluator` its precomputed conditioning and its reward models instead
-(`cond=`, `score_fn=`; g2rpo_jax/tasks/flux.py).
+(`cond=`, `score_fn=`; g2rpo_jax/tasks/flux.py). The program that evaluates a checkpoint is
+g2rpo_jax/evaluate.py.
 
 Scores (each a mean over held-out prompts × samples, in [0, 1]):
   in_domain       `rewards.verifier.score` (count, colour, shape, size, relation checks)
@@ -10,6 +11,7 @@ Scores (each a mean over held-out prompts × samples, in [0, 1]):
 """
 
 from collections.abc import Sequence
+import dataclasses
 import math
 
 from flax import nnx
@@ -57,14 +59,31 @@ def judge_fn(config, prompts: Sequence[str]):
     return judge_lib.jax_judge_fn(judge, tokenizer, prompts)
 
 
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """One evaluation of a set of parameters.
+
+    per_image: {name: float32 [P, M]} for every scorer, in report order.
+    first_images: [K, M, H, W, 3] in [0, 1], the samples of the first K prompts (for grids).
+    """
+
+    per_image: dict[str, np.ndarray]
+    first_images: np.ndarray
+
+    def means(self) -> dict[str, float]:
+        """Mean of each score over prompts and samples, in report order."""
+        return {name: float(values.mean()) for name, values in self.per_image.items()}
+
+
 class Evaluator:
     """Samples and scores a fixed set of prompts with fixed noise, so that evaluations of
     different parameters (base, during training, final) are directly comparable.
 
     Args:
       config: the run config (`sampling`, `evaluation`; `reward.judge_path` for the judge).
-      gen: the model bundle: `flux`, `latent_shape`, `decode(latents [..., N, C]) -> images`,
-        and `encode(prompts, mesh) -> cond` unless `cond` is given.
+      generator: the model bundle: `flux`, `latent_shape`, `decode(latents [..., N, C]) ->
+        images`, and `encode(prompts) -> cond` unless `cond` is given (a
+        `generator.Generator`, or the FLUX task's `tasks.flux.FluxGenerator`).
       prompts: the held-out prompts [P].
       mesh: the device mesh.
       scorers: the score names, in report order.
@@ -74,9 +93,9 @@ class Evaluator:
         scorer; default: the embedded world's scores (`score_images`).
     """
 
-    def __init__(self, config, gen, prompts: Sequence[str], mesh,
+    def __init__(self, config, generator, prompts: Sequence[str], mesh,
                  scorers: Sequence[str] = SCORES, *, cond: dict | None = None, score_fn=None):
-        self.gen, self.mesh, self.scorers = gen, mesh, tuple(scorers)
+        self.generator, self.mesh, self.scorers = generator, mesh, tuple(scorers)
         self.prompts = list(prompts)
         if score_fn is None:
             unknown = set(scorers) - set(SCORES)
@@ -96,20 +115,20 @@ class Evaluator:
         self.samples = config.evaluation.samples_per_prompt
         self.sigmas = sigmas_from_config(config)
         self.guidance = config.sampling.guidance
-        # The images kept for grids (last_images): the first prompts, every sample.
+        # The images kept for grids (Evaluation.first_images): the first prompts, every sample.
         grid = (config.get("train") or {}).get("images_in_grid", 16)
         self.kept = min(len(self.prompts), max(16, grid))
-        n, c = gen.latent_shape
+        n, c = generator.latent_shape
         noise = np.asarray(jax.random.normal(jax.random.key(config.evaluation.seed),
                                              (len(self._padded_prompts), self.samples, n, c)))
         self.noise = parallel.put_global(noise, parallel.batch_sharding(mesh, noise.shape))
-        self.graphdef = nnx.graphdef(gen.flux)
+        self.graphdef = nnx.graphdef(generator.flux)
         self._fixed_cond = cond is not None
-        self.cond = None
+        self._cond = None   # the prompts' conditioning on the mesh, encoded on first use
         if cond is not None:
             cond = {k: (np.concatenate([v, np.repeat(v[:1], padded, 0)])
                         if k in rollout.PER_PROMPT_COND else v) for k, v in cond.items()}
-            self.cond = rollout.place_cond(cond, mesh)
+            self._cond = rollout.place_cond(cond, mesh)
 
         @jax.jit
         def sample(params, cond, noise):
@@ -117,20 +136,27 @@ class Evaluator:
                                   self.guidance)
         self._sample = sample
 
+    def _conditioning(self, text_encoder=None) -> dict:
+        """The padded prompts' conditioning on the mesh. With `text_encoder` (pre-training, where
+        the encoder changes) they are encoded by it for this call only; otherwise the
+        precomputed conditioning, or the generator's own encoding made once."""
+        if text_encoder is not None:
+            if self._fixed_cond:
+                raise ValueError("This evaluator's conditioning is precomputed; it cannot "
+                                 "re-encode the prompts with a text encoder.")
+            encoding = dataclasses.replace(self.generator, text_encoder=text_encoder)
+            return rollout.place_cond(encoding.encode(self._padded_prompts), self.mesh)
+        if self._cond is None:
+            self._cond = rollout.place_cond(self.generator.encode(self._padded_prompts),
+                                            self.mesh)
+        return self._cond
+
     def _host_images(self, params, text_encoder=None) -> np.ndarray:
-        """This process's rows of the padded prompts as images [R, M, H, W, 3] in [0, 1]
-        (`text_encoder`: re-encode the prompts, as in pre-training where the encoder changes;
-        otherwise encoded once)."""
-        if text_encoder is not None and self._fixed_cond:
-            raise ValueError("This evaluator's conditioning is precomputed; it cannot re-encode "
-                             "the prompts with a text encoder.")
-        if text_encoder is not None or self.cond is None:
-            if text_encoder is not None:
-                self.gen.text_encoder = text_encoder
-            self.cond = rollout.place_cond(self.gen.encode(self._padded_prompts), self.mesh)
+        """This process's rows of the padded prompts as images [R, M, H, W, 3] in [0, 1]."""
+        cond = self._conditioning(text_encoder)
         with jax.set_mesh(self.mesh):
-            latents = self._sample(params, self.cond, self.noise)
-        return np.asarray(self.gen.decode(parallel.local_rows(latents, self.mesh)))
+            latents = self._sample(params, cond, self.noise)
+        return np.asarray(self.generator.decode(parallel.local_rows(latents, self.mesh)))
 
     def images(self, params, text_encoder=None) -> np.ndarray:
         """[P, M, H, W, 3] float images in [0, 1], all prompts on every process."""
@@ -138,22 +164,21 @@ class Evaluator:
                                       len(self._padded_prompts))
         return images[:len(self.prompts)]
 
-    def per_image_scores(self, params, text_encoder=None) -> dict[str, np.ndarray]:
-        """{name: float32 [P, M]} of fresh samples (kept as last_scores; the first prompts'
-        images as last_images [K, M, H, W, 3]). Each process decodes and scores its own rows."""
+    def evaluate(self, params, text_encoder=None) -> Evaluation:
+        """Fresh samples of every prompt, scored (the same on every process). Each process
+        decodes and scores its own rows; only the scores and the first rows' images cross
+        hosts."""
         images = self._host_images(params, text_encoder)
         scores = self.score_fn(images, [self._padded_prompts[i] for i in self._rows])
         rows = len(self._padded_prompts)
-        self.last_scores = {name: parallel.gather_rows(np.asarray(scores[name], np.float32),
-                                                       self.mesh, rows)[:len(self.prompts)]
-                            for name in self.scorers}
-        self.last_images = _first_rows(images, self._rows, self.kept, self.mesh, rows)
-        return self.last_scores
+        per_image = {name: parallel.gather_rows(np.asarray(scores[name], np.float32),
+                                                self.mesh, rows)[:len(self.prompts)]
+                     for name in self.scorers}
+        return Evaluation(per_image, _first_rows(images, self._rows, self.kept, self.mesh, rows))
 
     def scores(self, params, text_encoder=None) -> dict[str, float]:
         """Mean of each score over prompts and samples, in `scorers` order."""
-        per_image = self.per_image_scores(params, text_encoder)
-        return {name: float(values.mean()) for name, values in per_image.items()}
+        return self.evaluate(params, text_encoder).means()
 
 
 def _first_rows(local: np.ndarray, rows: np.ndarray, count: int, mesh, total: int
@@ -192,13 +217,6 @@ def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[s
         out["out_of_domain"] = np.asarray(judge(jnp.asarray(flat), jnp.asarray(np.repeat(ids, m))),
                                           np.float32)
     return {name: values.reshape(p, m) for name, values in out.items()}
-
-
-def mean_scores(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],
-                judge=None) -> dict[str, float]:
-    """Mean scores of images [P, M, H, W, 3] (M samples of prompt p), in `SCORES` order."""
-    scores = score_images(images, prompts, scorers, judge)
-    return {name: float(scores[name].mean()) for name in SCORES if name in scores}
 
 
 def save_grid(path: str, images: np.ndarray, captions: Sequence[str], columns: int = 8,
