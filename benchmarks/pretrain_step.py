@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from g2rpo_jax import config_lib, generator, parallel, pretrain
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.data import world
-from g2rpo_jax.rl import update as update_lib
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
         config[section][field] = type(config[section][field])(value)
     mesh = parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     gen = generator.build_generator(config, mesh)
-    optimizer = update_lib.make_optimizer(config.optimizer)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
     fg, fp = nnx.split(gen.flux, nnx.Param)
     eg, ep = nnx.split(gen.text_encoder, nnx.Param)
     params = {"flux": fp, "text_encoder": ep}

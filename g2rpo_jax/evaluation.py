@@ -108,8 +108,8 @@ class Evaluator:
         self.cond = None
         if cond is not None:
             cond = {k: (np.concatenate([v, np.repeat(v[:1], padded, 0)])
-                        if k in rollout.PER_PROMPT_COND else v) for k, v in cond.items()}
-            self.cond = rollout.place_cond(cond, mesh)
+                        if k in parallel.PER_PROMPT_COND else v) for k, v in cond.items()}
+            self.cond = parallel.place_cond(cond, mesh)
 
         @jax.jit
         def sample(params, cond, noise):
@@ -127,7 +127,7 @@ class Evaluator:
         if text_encoder is not None or self.cond is None:
             if text_encoder is not None:
                 self.gen.text_encoder = text_encoder
-            self.cond = rollout.place_cond(self.gen.encode(self._padded_prompts), self.mesh)
+            self.cond = parallel.place_cond(self.gen.encode(self._padded_prompts), self.mesh)
         with jax.set_mesh(self.mesh):
             latents = self._sample(params, self.cond, self.noise)
         return np.asarray(self.gen.decode(parallel.local_rows(latents, self.mesh)))

@@ -23,7 +23,7 @@ import tqdm
 
 from g2rpo_jax import evaluation, generator, parallel, storage
 from g2rpo_jax import metrics as metrics_lib
-from g2rpo_jax.rl import update as update_lib
+from g2rpo_jax import optimizer as optimizer_lib
 
 
 def flow_matching_loss(velocity: jax.Array, x0: jax.Array, noise: jax.Array) -> jax.Array:
@@ -102,7 +102,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
                                 rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
     held_out = evaluation.held_out_prompts(config)
 
-    optimizer = update_lib.make_optimizer(config.optimizer)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
     flux_graphdef, flux_params = nnx.split(gen.flux, nnx.Param)
     enc_graphdef, enc_params = nnx.split(gen.text_encoder, nnx.Param)
     params = parallel.replicate_unplaced({"flux": flux_params, "text_encoder": enc_params}, mesh)

@@ -80,7 +80,7 @@ def test_config_files_select_algorithms_by_argument(name):
     import importlib.util
     import os
 
-    from g2rpo_jax.rl import update
+    from g2rpo_jax.rl import policy_update
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "flux_tiny.py")
     spec = importlib.util.spec_from_file_location("flux_tiny_config", path)
@@ -95,7 +95,7 @@ def test_config_files_select_algorithms_by_argument(name):
     if algo.rollout == "singular":
         sized["branch_steps"] = (0, 1)
     assert algo == algorithms.Algorithm.from_config(algorithms.preset(name, **sized))
-    settings = update.settings_from_config(config)
+    settings = policy_update.PolicyUpdate.from_config(config)
     assert settings.guidance == 3.5 and settings.steps_per_update == 0
 
 
