@@ -29,12 +29,12 @@ def main(_):
 
     jax.config.update("jax_num_cpu_devices", _DEVICES.value)
     from flax import nnx
-    import ml_collections
 
-    from g2rpo_jax import parallel
+    from g2rpo_jax import config_lib, parallel
+    from g2rpo_jax import optimizer as optimizer_lib
     from g2rpo_jax.models import flux
     from g2rpo_jax.rewards import synthetic
-    from g2rpo_jax.rl import algorithms, iteration, update
+    from g2rpo_jax.rl import algorithms, iteration, policy_update
     from g2rpo_jax.sampling import rollout, schedules
     from g2rpo_jax.testing import tiny_rl
 
@@ -64,7 +64,7 @@ def main(_):
     p, t, n = _PROMPTS.value, _STEPS.value, 16
     sigmas = schedules.flux_sigmas(t, 3.0)
     cond = tiny_rl.random_cond(mesh, p, n)
-    opt_config = ml_collections.ConfigDict(dict(tiny_rl.ADAMW, learning_rate=2e-6))
+    opt_config = config_lib.optimizer_config(learning_rate=2e-6)
     print(f"\nOne iteration on a tiny FLUX, {jax.device_count()} CPU device(s), P={p}, T={t}, "
           f"G={_GROUP.value} (seconds):")
     print(f"  {'algorithm':14s} {'compile+run':>12s} {'run':>8s} {'rollout':>8s} {'update':>8s}")
@@ -72,8 +72,8 @@ def main(_):
         algo = algorithms.Algorithm.from_config(algorithms.preset(
             name, group_size=_GROUP.value, branch_steps=tuple(range(t // 2))))
         graphdef, params = nnx.split(flux.init_sharded(cfg, mesh, seed=0))
-        optimizer = update.make_optimizer(opt_config)
-        state = update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
+        optimizer = optimizer_lib.make_optimizer(opt_config)
+        state = policy_update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
         rollout_fn = jax.jit(iteration.make_rollout_fn(graphdef, algo, sigmas, (n, cfg.in_channels),
                                                        synthetic.brightness, (1.0,), 3.5))
         update_fn = None
@@ -85,8 +85,8 @@ def main(_):
                 jax.block_until_ready(batch)
                 mid = time.perf_counter()
                 if update_fn is None:
-                    update_fn = update.jit_update(update.make_update_fn(
-                        graphdef, optimizer, algo, update.UpdateSettings(), sigmas),
+                    update_fn = policy_update.jit_update(policy_update.make_update_fn(
+                        graphdef, optimizer, algo, policy_update.PolicyUpdate(), sigmas),
                         state, batch, cond)
                 state, metrics = update_fn(state, batch, cond)
                 jax.block_until_ready(state)

@@ -29,11 +29,12 @@ def measure(name, model, mesh, repeats: int, config) -> dict:
     from flax import nnx
 
     from g2rpo_jax import checkpoint
-    from g2rpo_jax.rl import update
+    from g2rpo_jax import optimizer as optimizer_lib
+    from g2rpo_jax.rl import policy_update
 
     _, params = nnx.split(model)
-    optimizer = update.make_optimizer(config.optimizer)
-    state = update.init_state(params, optimizer, False, mesh)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
+    state = policy_update.init_state(params, optimizer, False, mesh)
     # One AdamW step on random gradients, so the moments hold real (incompressible) values as
     # in a run, not the zeros of a fresh state.
     leaves, tree = jax.tree.flatten(state.params)
@@ -43,7 +44,7 @@ def measure(name, model, mesh, repeats: int, config) -> dict:
     updates, opt_state = jax.jit(optimizer.update)(grads, state.opt_state, state.params)
     state = state.replace(params=optax.apply_updates(state.params, updates),
                           opt_state=opt_state, step=state.step + 1)
-    target = update.abstract_state(params, optimizer, False, mesh)
+    target = policy_update.abstract_state(params, optimizer, False, mesh)
     key = jax.random.key(0)
     loop = {"iteration": 0, "data": {"epoch": 0, "position": 0}}
     parameters = sum(x.size for x in jax.tree.leaves(params))

@@ -29,7 +29,7 @@ import optax
 from g2rpo_jax import config_lib, held_out, parallel
 from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import world
-from g2rpo_jax.rl import algorithms, iteration, update
+from g2rpo_jax.rl import algorithms, iteration, policy_update
 from g2rpo_jax.tasks import shapes as shapes_task
 
 PROMPTS = 8
@@ -60,16 +60,16 @@ def main():
     sample, finish = map(jax.jit, iteration.make_rollout_stages(
         graphdef, algo, sigmas, generator.latent_shape, [1.0], None))
     optimizer = optax.sgd(1.0)
-    state = update.init_state(params, optimizer, False, mesh)
-    settings = dataclasses.replace(update.settings_from_config(config), steps_per_update=0)
-    update_fn = jax.jit(update.make_update_fn(graphdef, optimizer, algo, settings, sigmas))
+    state = policy_update.init_state(params, optimizer, False, mesh)
+    settings = dataclasses.replace(policy_update.PolicyUpdate.from_config(config), steps_per_update=0)
+    update_fn = jax.jit(policy_update.make_update_fn(graphdef, optimizer, algo, settings, sigmas))
 
     def gradient(prompt_seed: int, key) -> np.ndarray:
         picked = np.random.default_rng(prompt_seed).choice(len(train_prompts), PROMPTS,
                                                            replace=False)
         cond = generator.encode([train_prompts[i] for i in picked], mesh)
-        finals, carry = sample(state.params, cond, key, 0)
-        batch, _ = finish(jnp.asarray(reward_fn(finals, picked)), carry)
+        finals, transitions = sample(state.params, cond, key, 0)
+        batch, _ = finish(jnp.asarray(reward_fn(finals, picked)), transitions)
         new_state, _ = update_fn(state, batch, cond)
         change = jax.tree.map(lambda a, b: np.asarray(a - b).ravel(), new_state.params,
                               state.params)

@@ -22,7 +22,7 @@ import optax
 from g2rpo_jax import config_lib, held_out, parallel
 from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import world
-from g2rpo_jax.rl import algorithms, iteration, update
+from g2rpo_jax.rl import algorithms, iteration, policy_update
 from g2rpo_jax.tasks import shapes as shapes_task
 
 
@@ -53,9 +53,9 @@ def main():
     _, sample_many, _ = stages(64)
     num_k = len(algo.branch_steps)
     optimizer = optax.sgd(args.lr)
-    state = update.init_state(params, optimizer, False, mesh)
-    settings = dataclasses.replace(update.settings_from_config(config), steps_per_update=0)
-    update_fn = jax.jit(update.make_update_fn(graphdef, optimizer, algo, settings, sigmas))
+    state = policy_update.init_state(params, optimizer, False, mesh)
+    settings = dataclasses.replace(policy_update.PolicyUpdate.from_config(config), steps_per_update=0)
+    update_fn = jax.jit(policy_update.make_update_fn(graphdef, optimizer, algo, settings, sigmas))
     ids = np.asarray(picked, np.int32)
     keys = [jax.random.key(100 + i) for i in range(3)]
 
@@ -70,8 +70,8 @@ def main():
     before = expected_reward(state.params)
     new_state = state
     for b in range(args.batches):
-        finals, carry = sample(state.params, cond, keys[b % len(keys)], 0)  # same anchors
-        batch, _ = finish(jnp.asarray(reward_fn(finals, ids)), carry)
+        finals, transitions = sample(state.params, cond, keys[b % len(keys)], 0)  # same anchors
+        batch, _ = finish(jnp.asarray(reward_fn(finals, ids)), transitions)
         new_state, metrics = update_fn(new_state, batch, cond)
         print(f"batch {b}: grad norm {float(np.mean(metrics['grad_norm'])):.4f}")
     after = expected_reward(new_state.params)

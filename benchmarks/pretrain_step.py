@@ -12,8 +12,8 @@ import numpy as np
 
 from g2rpo_jax import config_lib, parallel, pretrain
 from g2rpo_jax import generator as generator_lib
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.data import world
-from g2rpo_jax.rl import update as update_lib
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
         config[section][field] = type(config[section][field])(value)
     mesh = parallel.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     generator = generator_lib.build_generator(config, mesh)
-    optimizer = update_lib.make_optimizer(config.optimizer)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
     fg, fp = nnx.split(generator.flux, nnx.Param)
     eg, ep = nnx.split(generator.text_encoder, nnx.Param)
     params = {"flux": fp, "text_encoder": ep}

@@ -20,7 +20,7 @@ def main(_):
     import dataclasses
 
     from g2rpo_jax import parallel
-    from g2rpo_jax.rl import algorithms, update
+    from g2rpo_jax.rl import algorithms, policy_update
     from g2rpo_jax.sampling import schedules
     from g2rpo_jax.testing import tiny_rl
 
@@ -36,10 +36,10 @@ def main(_):
             for recompute in (False, True):
                 out = tiny_rl.run_iteration(
                     algo, mesh, sigmas, prompts=8,
-                    settings=update.UpdateSettings(micro_batch_prompts=2,
+                    settings=policy_update.PolicyUpdate(micro_batch_prompts=2,
                                                    recompute_old_log_prob=recompute),
                     model_config=dataclasses.replace(tiny_rl.TINY_FLUX, dtype=dtype))
-                s = update.summarize(out["metrics"])
+                s = policy_update.summarize(out["metrics"])
                 print(f"{name:12s} {dtype:9s} {str(recompute):>9s} "
                       f"{s['first_update_log_ratio_abs_max']:18.2e} "
                       f"{s['rollout_log_prob_gap']:12.2e}")

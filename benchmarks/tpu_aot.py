@@ -16,7 +16,7 @@ Pieces (--pieces), each a separate jitted program with the config's shapes and s
            prompts × lanes × G samples; trajectory baselines: prompts × G)
   sample   the whole jitted rollout stage (`iteration.make_rollout_stages(...)[0]`): anchor ODE,
            singular branches, every (k, λ) continuation (or the baselines' SDE trajectories)
-  update   the GRPO update (`update.make_update_fn` + `jit_update`): fp32 params and AdamW
+  update   the GRPO update (`policy_update.make_update_fn` + `jit_update`): fp32 params and AdamW
            moments FSDP-sharded and donated, the rollout's TrainBatch, per-k optimizer steps
   t5       T5-XXL encoding of one preprocessing batch (bf16 weights; prompt preprocessing)
   vae      FLUX autoencoder decode of --vae_batch_per_chip latents per chip (the reward's decode)
@@ -228,8 +228,8 @@ class Job:
 
 def make_job(config, devices) -> Job:
     from g2rpo_jax import config_lib, held_out, parallel
+    from g2rpo_jax import optimizer as optimizer_lib
     from g2rpo_jax.models import flux
-    from g2rpo_jax.rl import update as update_lib
     from g2rpo_jax.rl.algorithms import Algorithm
 
     mesh = parallel.mesh_from_config(config.mesh, devices=devices)
@@ -237,7 +237,7 @@ def make_job(config, devices) -> Job:
     cfg = config_lib.to_flux_config(config.model)
     flux.validate_mesh(cfg, mesh)
     graphdef, params = abstract_state(flux.abstract_model(cfg, rules), mesh, rules)
-    optimizer = update_lib.make_optimizer(config.optimizer)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
     return Job(config=config, mesh=mesh, rules=rules, cfg=cfg,
                algo=Algorithm.from_config(config.algorithm),
                sigmas=held_out.sigmas_from_config(config), graphdef=graphdef, params=params,
@@ -335,7 +335,7 @@ def _abstract_batch(job: Job):
     old_log_prob and advantages [K, P, G], prompts split over the batch axes."""
     import jax.numpy as jnp
 
-    from g2rpo_jax.rl import update as update_lib
+    from g2rpo_jax.rl import policy_update
 
     k = job.algo.num_trained_steps(job.config.sampling.num_steps)
     g = job.algo.group_size
@@ -344,27 +344,27 @@ def _abstract_batch(job: Job):
     latent = lambda m: sharded((k, p, m, *job.latent_shape), jnp.float32, mesh,
                                (None, "batch", None, None, None), rules)
     per_member = lambda: sharded((k, p, g), jnp.float32, mesh, (None, "batch", None), rules)
-    return update_lib.TrainBatch(x=latent(gx), x_next=latent(g),
-                                 step=replicated((k,), jnp.int32, mesh),
-                                 old_log_prob=per_member(), advantages=per_member()), k, gx
+    return policy_update.TrainBatch(x=latent(gx), x_next=latent(g),
+                                    step=replicated((k,), jnp.int32, mesh),
+                                    old_log_prob=per_member(), advantages=per_member()), k, gx
 
 
 def piece_update(job: Job):
     import jax.numpy as jnp
 
-    from g2rpo_jax.rl import update as update_lib
+    from g2rpo_jax.rl import policy_update
 
     config = job.config
     optimizer = job.optimizer
     ref = job.params if job.algo.kl_beta > 0 else None
-    state = update_lib.TrainState(params=job.params, opt_state=job.opt_state, ref_params=ref,
-                                  step=replicated((), jnp.int32, job.mesh))
+    state = policy_update.TrainState(params=job.params, opt_state=job.opt_state,
+                                     ref_params=ref, step=replicated((), jnp.int32, job.mesh))
     batch, k, gx = _abstract_batch(job)
     cond = abstract_cond(config, job.cfg, job.prompts, job.mesh, job.rules)
-    settings = update_lib.settings_from_config(config)
-    update_fn = update_lib.make_update_fn(job.graphdef, optimizer, job.algo, settings,
-                                          job.sigmas)
-    jitted = update_lib.jit_update(update_fn, state, batch, cond)
+    settings = policy_update.PolicyUpdate.from_config(config)
+    update_fn = policy_update.make_update_fn(job.graphdef, optimizer, job.algo, settings,
+                                             job.sigmas)
+    jitted = policy_update.jit_update(update_fn, state, batch, cond)
     micro = settings.micro_batch_prompts or job.prompts
     per_call = micro * gx
     # Per trained transition: forward + backward (2×) + the rematerialised forward; plus the
@@ -500,8 +500,8 @@ def _model_summary(job: Job) -> dict:
                 image_tokens=job.config.describe.image_tokens,
                 text_tokens=job.config.describe.text_tokens,
                 max_lanes=job.algo.max_lanes,
-                micro_batch_prompts=job.config.update_step.micro_batch_prompts,
-                steps_per_update=job.config.update_step.steps_per_update)
+                micro_batch_prompts=job.config.policy_update.micro_batch_prompts,
+                steps_per_update=job.config.policy_update.steps_per_update)
 
 
 HEADER = (f"{'piece':8s} {'shapes':44s} {'args':>6s} {'out':>6s} {'alias':>6s} {'temp':>6s} "

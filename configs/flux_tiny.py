@@ -44,7 +44,7 @@ def get_config(algorithm: str = "g2rpo"):
     if config.algorithm.rollout == "singular":
         config.algorithm.branch_steps = (0, 1)
     config.optimizer.learning_rate = 1e-4
-    config.update_step.steps_per_update = 0   # one accumulated step per iteration
+    config.policy_update.steps_per_update = 0   # one accumulated step per iteration
     config.train = config_lib.train_config(
         num_iterations=2, prompts_per_iteration=8, eval_every=1, checkpoint_every=0,
         images_in_grid=8)

@@ -132,13 +132,11 @@ def get_config(argument: str = "g2rpo,hps"):
     config.sampling.shift = SHIFT
     config.sampling.guidance = GUIDANCE
     config.sampling.quantize_timesteps = False
-    config.optimizer = ml_collections.ConfigDict(dict(
-        learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
-        b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+    config.optimizer = config_lib.optimizer_config(learning_rate=2e-6)
     # The reference code's one optimizer step per trained k (0 = one accumulated step).
-    config.update_step.steps_per_update = 1
-    config.update_step.micro_batch_prompts = MICRO_BATCH_PROMPTS[config.algorithm.rollout]
-    config.update_step.recompute_old_log_prob = True
+    config.policy_update.steps_per_update = 1
+    config.policy_update.micro_batch_prompts = MICRO_BATCH_PROMPTS[config.algorithm.rollout]
+    config.policy_update.recompute_old_log_prob = True
     config.train.num_iterations = NUM_ITERATIONS
     config.train.prompts_per_iteration = PROMPTS_PER_ITERATION
     # Spot / preemptible slices: a checkpoint every 10 iterations (and one on SIGTERM); the

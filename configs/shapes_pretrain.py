@@ -28,8 +28,7 @@ def get_config():
         init_checkpoint="",
         # Evaluate and write an exponential moving average of the weights; 0 = the raw ones.
         ema_decay=0.999))
-    config.optimizer = ml_collections.ConfigDict(dict(
-        learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=200, decay_steps=num_steps,
-        b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+    config.optimizer = config_lib.optimizer_config(
+        learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=200, decay_steps=num_steps)
     config.evaluation.num_prompts = 0
     return config

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from g2rpo_jax import storage
-from g2rpo_jax.rl import update as update_lib
+from g2rpo_jax.rl import policy_update
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ RESUMABLE_FIELDS = (
     "train.async_checkpointing", "train.start_over", "train.max_consecutive_skips",
     "mesh.", "distributed.", "sharding_rules", "describe.", "compilation_cache_dir",
     "model.remat_policy", "model.attention_impl",
-    "update_step.micro_batch_prompts", "reward.batch_size", "data.data_dir",
+    "policy_update.micro_batch_prompts", "reward.batch_size", "data.data_dir",
 )
 
 # What train.start_over removes from a used workdir (the outputs of the run there).
@@ -140,7 +140,7 @@ def _describe_differences(differences: dict, limit: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _state_tree(state: update_lib.TrainState, rng) -> dict:
+def _state_tree(state: policy_update.TrainState, rng) -> dict:
     tree = {"params": nnx.to_pure_dict(state.params), "opt_state": state.opt_state,
             "step": state.step, "rng": rng}
     if state.ref_params is not None:
@@ -193,7 +193,7 @@ class RunCheckpoints:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def save(self, step: int, state: update_lib.TrainState, rng, loop: dict, config,
+    def save(self, step: int, state: policy_update.TrainState, rng, loop: dict, config,
              wait: bool = False) -> str:
         """Saves the step (asynchronously: the arrays are copied off the devices before this
         returns, then written in the background). A step that is already saved is an error,
@@ -241,9 +241,9 @@ class RunCheckpoints:
                 "--config.train.start_over=True (or use another --workdir). Fields that may "
                 f"change: {', '.join(RESUMABLE_FIELDS)}.")
 
-    def restore_latest(self, target: update_lib.TrainState, config):
+    def restore_latest(self, target: policy_update.TrainState, config):
         """(iteration, state, rng, loop) of the latest complete, readable checkpoint, each array
-        read straight into the sharding of `target` (update.abstract_state: any mesh), or None
+        read straight into the sharding of `target` (policy_update.abstract_state: any mesh), or None
         if the run has no checkpoint. An unreadable latest step (truncated, corrupted) falls
         back to the one before with a warning; none readable is an error."""
         steps = self.steps()

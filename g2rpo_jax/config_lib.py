@@ -117,16 +117,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Sampling (method.md): T steps, SD3 time shift, FLUX guidance embedding.
     config.sampling = ml_collections.ConfigDict(dict(
         num_steps=16, shift=3.0, guidance=3.5, quantize_timesteps=False))
-    # AdamW as in the paper; constant schedule, grad-norm clip 1.0.
-    config.optimizer = ml_collections.ConfigDict(dict(
-        learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9,
-        b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
-    # steps_per_update: 1 = one optimizer step per trained k (reference code); 0 (or K) = one
-    # accumulated step over all k (on-policy). micro_batch_prompts: 0 = all prompts at once.
-    # recompute_old_log_prob: re-score the rollout's transitions in the update's layout before
-    # the first step, so the first ratio is exactly 1 in bf16 too (measured without it on a tiny
-    # bf16 FLUX: |log ratio| 1.8e-4; with it: 0; tests/rl/test_update.py).
-    config.update_step = ml_collections.ConfigDict(dict(
+    config.optimizer = optimizer_config()
+    # The policy update (rl.policy_update.PolicyUpdate). steps_per_update: 1 = one optimizer
+    # step per trained k (reference code); 0 (or K) = one accumulated step over all k
+    # (on-policy). micro_batch_prompts: 0 = all prompts at once. recompute_old_log_prob:
+    # re-score the rollout's transitions in the update's layout before the first step, so the
+    # first ratio is exactly 1 in bf16 too (tests/rl/test_policy_update.py).
+    config.policy_update = ml_collections.ConfigDict(dict(
         steps_per_update=1, micro_batch_prompts=0, recompute_old_log_prob=True))
 
     # mode=describe: the dummy batch used to time one forward pass.
@@ -135,6 +132,22 @@ def base_config() -> ml_collections.ConfigDict:
         # Parameter lines printed (largest first); 0 = none, -1 = all.
         max_param_lines=20))
     return config
+
+
+def optimizer_config(**overrides) -> ml_collections.ConfigDict:
+    """The optimizer section (`config.optimizer`, read by `optimizer.make_optimizer`): AdamW as
+    in the paper, constant schedule, grad-norm clip 1.0; a config overrides what differs.
+
+    schedule: "constant", "warmup_constant" (linear warm-up over warmup_steps, then constant)
+      or "warmup_cosine" (warm-up, then cosine decay to 0 at decay_steps, the total length).
+    """
+    fields = dict(learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1,
+                  b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0)
+    unknown = set(overrides) - set(fields)
+    if unknown:
+        raise ValueError(f"Unknown optimizer fields {sorted(unknown)}; known: {sorted(fields)}.")
+    fields.update(overrides)
+    return ml_collections.ConfigDict(fields)
 
 
 def train_config(**overrides) -> ml_collections.ConfigDict:

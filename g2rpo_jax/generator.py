@@ -24,7 +24,6 @@ import numpy as np
 from g2rpo_jax import parallel
 from g2rpo_jax.data import world
 from g2rpo_jax.models import flux, packing, state_io, word_encoder
-from g2rpo_jax.sampling import rollout
 
 # The base generator shipped with the package (configs/shapes_pretrain.py; README has its
 # command and measured scores).
@@ -55,7 +54,7 @@ class Generator:
         ids, mask = self.tokenize(prompts)
         cond = encode_tokens(self.text_encoder, jnp.asarray(ids), jnp.asarray(mask))
         cond["img_ids"] = self.autoencoder.image_ids()
-        return rollout.place_cond(cond, mesh) if mesh is not None else cond
+        return parallel.place_cond(cond, mesh) if mesh is not None else cond
 
     def decode(self, latents: jax.Array) -> jax.Array:
         """[..., N, C] latents → [..., H, W, 3] images in [0, 1]."""

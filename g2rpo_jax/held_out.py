@@ -127,8 +127,8 @@ class Evaluator:
         self._cond = None   # the prompts' conditioning on the mesh, encoded on first use
         if cond is not None:
             cond = {k: (np.concatenate([v, np.repeat(v[:1], padded, 0)])
-                        if k in rollout.PER_PROMPT_COND else v) for k, v in cond.items()}
-            self._cond = rollout.place_cond(cond, mesh)
+                        if k in parallel.PER_PROMPT_COND else v) for k, v in cond.items()}
+            self._cond = parallel.place_cond(cond, mesh)
 
         @jax.jit
         def sample(params, cond, noise):
@@ -145,9 +145,9 @@ class Evaluator:
                 raise ValueError("This evaluator's conditioning is precomputed; it cannot "
                                  "re-encode the prompts with a text encoder.")
             encoding = dataclasses.replace(self.generator, text_encoder=text_encoder)
-            return rollout.place_cond(encoding.encode(self._padded_prompts), self.mesh)
+            return parallel.place_cond(encoding.encode(self._padded_prompts), self.mesh)
         if self._cond is None:
-            self._cond = rollout.place_cond(self.generator.encode(self._padded_prompts),
+            self._cond = parallel.place_cond(self.generator.encode(self._padded_prompts),
                                             self.mesh)
         return self._cond
 

@@ -25,9 +25,9 @@ import tqdm
 from g2rpo_jax import generator as generator_lib
 from g2rpo_jax import held_out, parallel, storage
 from g2rpo_jax import metrics as metrics_lib
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds
-from g2rpo_jax.rl import update as update_lib
 
 
 def flow_matching_loss(velocity: jax.Array, x0: jax.Array, noise: jax.Array) -> jax.Array:
@@ -104,7 +104,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
                                rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
     held_out_prompts = held_out.held_out_prompts(config)
 
-    optimizer = update_lib.make_optimizer(config.optimizer)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
     flux_graphdef, flux_params = nnx.split(generator.flux, nnx.Param)
     enc_graphdef, enc_params = nnx.split(generator.text_encoder, nnx.Param)
     params = parallel.replicate_unplaced({"flux": flux_params, "text_encoder": enc_params}, mesh)

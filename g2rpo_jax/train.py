@@ -34,8 +34,9 @@ import tqdm
 from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import held_out, parallel, preemption, storage, tasks
 from g2rpo_jax import metrics as metrics_lib
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.rl import iteration as iteration_lib
-from g2rpo_jax.rl import update as update_lib
+from g2rpo_jax.rl import policy_update
 from g2rpo_jax.rl.algorithms import Algorithm
 
 
@@ -78,12 +79,12 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     reward_names = list(task.reward_names)
 
     graphdef, params = nnx.split(task.policy)
-    optimizer = update_lib.make_optimizer(config.optimizer)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
     keep_reference = algo.kl_beta > 0
     restored = run.restore_latest(
-        update_lib.abstract_state(params, optimizer, keep_reference, mesh), config)
+        policy_update.abstract_state(params, optimizer, keep_reference, mesh), config)
     if restored is None:
-        state = update_lib.init_state(params, optimizer, keep_reference, mesh)
+        state = policy_update.init_state(params, optimizer, keep_reference, mesh)
         key, loop = parallel.replicated(jax.random.key(config.seed), mesh), _fresh_loop_state()
     else:
         start_iteration, state, key, loop = restored
@@ -100,8 +101,9 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         graphdef, algo, sigmas, task.latent_shape, task.reward_weights,
         guidance=config.sampling.guidance,
         quantize_timesteps=config.sampling.quantize_timesteps))
-    update_fn = update_lib.make_update_fn(graphdef, optimizer, algo,
-                                          update_lib.settings_from_config(config), sigmas)
+    update_fn = policy_update.make_update_fn(graphdef, optimizer, algo,
+                                             policy_update.PolicyUpdate.from_config(config),
+                                             sigmas)
     resumed = restored is not None
     logger = metrics_lib.MetricsLogger(
         workdir, keep_rows=loop["metrics_rows"],
@@ -159,9 +161,9 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         with jax.set_mesh(mesh):
             train_batch, stats = finish_fn(parallel.replicated(scores, mesh), carry)
             if compiled_update is None:
-                compiled_update = update_lib.jit_update(update_fn, state, train_batch, cond)
+                compiled_update = policy_update.jit_update(update_fn, state, train_batch, cond)
             state, metrics = compiled_update(state, train_batch, cond)
-        summary = update_lib.summarize(metrics)
+        summary = policy_update.summarize(metrics)
         _count_skips(loop, metrics["skipped"])
         reward_mean = np.asarray(stats["reward_mean"])
         row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from g2rpo_jax import config_lib
-from g2rpo_jax.rl import algorithms, update
+from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax.rl import algorithms, policy_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = ("g2rpo", "g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo")
@@ -47,8 +48,8 @@ def test_every_variant_has_the_papers_setting(algorithm, reward):
     assert (opt.learning_rate, opt.b1, opt.b2, opt.eps, opt.weight_decay) == \
         (2e-6, 0.9, 0.999, 1e-8, 1e-4)
     assert opt.schedule == "constant" and opt.grad_clip_norm == 1.0
-    update.make_optimizer(opt)
-    settings = update.settings_from_config(config)
+    optimizer_lib.make_optimizer(opt)
+    settings = policy_update.PolicyUpdate.from_config(config)
     assert settings.guidance == 3.5 and settings.steps_per_update == 1
     # Rewards: HPS, or HPS + CLIP score with unit weights.
     expected = {"hps": (["hps"], [1.0]), "hps_clip": (["hps", "clip_score"], [1.0, 1.0])}
@@ -97,8 +98,8 @@ def test_baselines_keep_their_own_settings():
         assert config.algorithm.group_size == 12
         # Every member is scored in their update: micro-batches of 4 prompts fit in HBM
         # (README, "TPU memory (AOT)").
-        assert config.update_step.micro_batch_prompts == 4
-    assert load("g2rpo").update_step.micro_batch_prompts == 0
+        assert config.policy_update.micro_batch_prompts == 4
+    assert load("g2rpo").policy_update.micro_batch_prompts == 0
 
 
 def test_defaults_and_paths():

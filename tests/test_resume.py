@@ -18,8 +18,9 @@ import resume_helpers as rh
 
 from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import config_lib, evaluate, generator, parallel, tasks, train
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.models import flux
-from g2rpo_jax.rl import algorithms, update
+from g2rpo_jax.rl import algorithms, policy_update
 from g2rpo_jax.sampling import schedules
 from g2rpo_jax.tasks import shapes as shapes_task
 from g2rpo_jax.testing import tiny_rl
@@ -243,15 +244,15 @@ def test_update_skips_non_finite_steps_and_keeps_the_state():
     state, batch, cond = out["state"], out["batch"], out["cond"]
     before = jax.tree.map(np.asarray, state)
     bad = batch.replace(advantages=batch.advantages.at[0, 0, 0].set(jnp.nan))
-    optimizer = update.make_optimizer(tiny_rl.ADAMW)
-    update_fn = update.jit_update(update.make_update_fn(
-        out["graphdef"], optimizer, algo, update.UpdateSettings(), tiny_rl_sigmas()),
+    optimizer = optimizer_lib.make_optimizer(tiny_rl.ADAMW)
+    update_fn = policy_update.jit_update(policy_update.make_update_fn(
+        out["graphdef"], optimizer, algo, policy_update.PolicyUpdate(), tiny_rl_sigmas()),
         state, bad, cond)
     with jax.set_mesh(mesh):
         after, metrics = update_fn(state, bad, cond)
     skipped = np.asarray(metrics["skipped"])
     assert skipped[0] and not skipped[1:].any()   # only the first k's step had the NaN
-    assert update.summarize(metrics)["skipped_steps"] == 1
+    assert policy_update.summarize(metrics)["skipped_steps"] == 1
     # The first step was not applied, the others were: the step counter says 2 of 3.
     assert int(after.step) == int(before.step) + len(skipped) - 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(after.params))
@@ -280,8 +281,8 @@ def test_checkpoint_restores_onto_other_meshes(short_run, tmp_path, data_dir):
     ckpt = checkpoint_lib.RunCheckpoints(str(run))
     task = tasks.build(config, other, _rules(config), training=False)
     graphdef, params = nnx.split(task.policy)
-    optimizer = update.make_optimizer(config.optimizer)
-    target = update.abstract_state(params, optimizer, False, other)
+    optimizer = optimizer_lib.make_optimizer(config.optimizer)
+    target = policy_update.abstract_state(params, optimizer, False, other)
     step, state, _, loop = ckpt.restore_latest(target, config)
     ckpt.close()
     assert step == 3 and loop["iteration"] == 3
@@ -403,9 +404,9 @@ def test_unwritable_workdir_fails_before_any_compute(tmp_path, data_dir, mesh, m
 
 def _tiny_state(mesh, keep_reference=False):
     _, params = nnx.split(flux.init_sharded(tiny_rl.TINY_FLUX, mesh, seed=0))
-    optimizer = update.make_optimizer(tiny_rl.ADAMW)
-    return (update.init_state(params, optimizer, keep_reference, mesh),
-            update.abstract_state(params, optimizer, keep_reference, mesh))
+    optimizer = optimizer_lib.make_optimizer(tiny_rl.ADAMW)
+    return (policy_update.init_state(params, optimizer, keep_reference, mesh),
+            policy_update.abstract_state(params, optimizer, keep_reference, mesh))
 
 
 def _config():

@@ -1,6 +1,7 @@
 """Everything that touches devices: meshes, logical axis rules, shardings, multi-host start-up."""
 
 from g2rpo_jax.parallel.agreement import ConfigMismatchError, check_same_config
+from g2rpo_jax.parallel.conditioning import PER_PROMPT_COND, place_cond
 from g2rpo_jax.parallel.host import (
     from_local_rows,
     gather_rows,
@@ -38,11 +39,13 @@ __all__ = [
     "DEFAULT_RULES",
     "MESH_AXES",
     "MeshError",
+    "PER_PROMPT_COND",
     "batch_sharding",
     "sharding_table",
     "initialize_distributed",
     "logical_to_spec",
     "optimizer_state_shardings",
+    "place_cond",
     "replicate_unplaced",
     "from_local_rows",
     "gather_rows",

@@ -23,17 +23,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from g2rpo_jax.dtypes import at_least_float32
+
 __all__ = ["group_advantages", "integrate_advantages", "scale_weights"]
 
 DEFAULT_CLIP = 5.0
 DEFAULT_EPS = 1e-8
-
-
-def _as_float(x: jax.Array) -> jax.Array:
-    """Promotes to at least float32: bf16 or integer rewards would lose the small differences
-    between group members that the standardisation is meant to amplify."""
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _check_group_axis(rewards: jax.Array) -> None:
@@ -87,7 +82,7 @@ def group_advantages(
     Raises:
         ValueError: if the static group size G (last axis) is smaller than 2.
     """
-    rewards = _as_float(rewards)
+    rewards = at_least_float32(rewards)
     _check_group_axis(rewards)
     group_size = rewards.shape[-1]
     centered = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
@@ -135,8 +130,8 @@ def integrate_advantages(
     Raises:
         ValueError: if rewards lacks a scale or group axis, G < 2, or weights is not ``[S]``.
     """
-    rewards = _as_float(rewards)
-    weights = _as_float(weights)
+    rewards = at_least_float32(rewards)
+    weights = at_least_float32(weights)
     if rewards.ndim < 2:
         raise ValueError(
             f"rewards must be [S, ..., G] with a leading scale axis and a group axis, "
@@ -176,8 +171,8 @@ def scale_weights(granularity_weights: jax.Array, reward_weights: jax.Array) -> 
     Raises:
         ValueError: if either input is not one-dimensional.
     """
-    granularity_weights = _as_float(granularity_weights)
-    reward_weights = _as_float(reward_weights)
+    granularity_weights = at_least_float32(granularity_weights)
+    reward_weights = at_least_float32(reward_weights)
     if granularity_weights.ndim != 1 or reward_weights.ndim != 1:
         raise ValueError(
             f"granularity_weights [J] and reward_weights [R] must be 1-D, got shapes "

@@ -30,8 +30,9 @@ class Algorithm:
     group_size: int = 12
     # singular:
     branch_steps: tuple[int, ...] = tuple(range(8))
-    granularities: tuple[int, ...] = (1, 2)
-    granularity_weights: tuple[float, ...] = (1.0, 1.0)
+    # Λ: the paper's {1, 2, 3} (the reference scripts use {1, 2}).
+    granularities: tuple[int, ...] = (1, 2, 3)
+    granularity_weights: tuple[float, ...] = (1.0, 1.0, 1.0)
     end_at_zero: bool = True              # False: the reference's x̂0 decode when λ misses 0
     packing: str = "pack"                 # continuation lanes: "pack" or "pad"
     max_lanes: int = 0                    # 0 = no bound
@@ -151,9 +152,8 @@ def _preset(**fields) -> ml_collections.ConfigDict:
 
 
 PRESETS = {
-    # The paper: k ∈ first half of the steps, Λ = {1, 2, 3}; the reference scripts use {1, 2}.
-    "g2rpo": dict(name="g2rpo", rollout="singular", granularities=(1, 2, 3),
-                  granularity_weights=(1.0, 1.0, 1.0)),
+    # The paper's G²RPO is Algorithm's defaults.
+    "g2rpo": dict(name="g2rpo", rollout="singular"),
     "g2rpo_no_mgai": dict(name="g2rpo_no_mgai", rollout="singular", granularities=(1,),
                           granularity_weights=(1.0,)),
     "dance_grpo": dict(name="dance_grpo", rollout="trajectory", sde_step="dance_grpo", eta=0.3,
@@ -175,17 +175,4 @@ def preset(name: str, **overrides) -> ml_collections.ConfigDict:
     return config
 
 
-def forward_pass_table(num_steps: int, group_size: int, plan_fn) -> list[dict]:
-    """Rollout/update forward passes per prompt for every preset (for reports)."""
-    rows = []
-    for name in PRESETS:
-        algo = Algorithm.from_config(preset(name, group_size=group_size))
-        plan = plan_fn(algo) if algo.rollout == "singular" else None
-        passes = algo.rollout_forward_passes(num_steps, plan)
-        rows.append(dict(algorithm=name, **passes,
-                         update=algo.update_forward_passes(num_steps),
-                         granularities=algo.granularities if plan else None))
-    return rows
-
-
-__all__ = ["Algorithm", "PRESETS", "forward_pass_table", "preset"]
+__all__ = ["Algorithm", "PRESETS", "preset"]

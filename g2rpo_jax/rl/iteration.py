@@ -15,17 +15,31 @@ and score; R reward models), so synthetic rewards and real reward models plug in
 
 from collections.abc import Callable
 
-from flax import nnx
+from flax import nnx, struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from g2rpo_jax.rl import advantages as adv_lib
 from g2rpo_jax.rl.algorithms import Algorithm
-from g2rpo_jax.rl.update import TrainBatch
+from g2rpo_jax.rl.policy_update import TrainBatch
 from g2rpo_jax.sampling import rollout
 
 RewardFn = Callable[[jax.Array, dict], jax.Array]
+
+
+@struct.dataclass
+class SampledTransitions:
+    """What `sample` hands to `finish`: the iteration's K trained transitions, whose advantages
+    `finish` forms from the rewards. The same type for both rollout families.
+
+      batch     TrainBatch with zero advantages
+      sde_mask  [T] bool, the steps a trajectory rollout sampled with the SDE (reported in the
+                stats); None for a singular rollout
+    """
+
+    batch: TrainBatch
+    sde_mask: jax.Array | None = None
 
 
 def continuation_plan(algo: Algorithm, sigmas) -> rollout.ContinuationPlan:
@@ -40,8 +54,8 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
     (a verifier in numpy, a remote model) runs between two jitted programs rather than as a
     callback inside one sharded program:
 
-      sample(params, cond, key, iteration) -> (finals [P, M, N, C], carry)
-      finish(scores [R, P, M], carry) -> (TrainBatch, stats)
+      sample(params, cond, key, iteration) -> (finals [P, M, N, C], SampledTransitions)
+      finish(scores [R, P, M], SampledTransitions) -> (TrainBatch, stats)
 
     Args:
       graphdef: the policy's nnx graphdef (params are passed to `sample`).
@@ -82,12 +96,13 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
         # Prompt-major for the reward: [P, K·J·G, N, C].
         per_prompt = jnp.moveaxis(finals, 2, 0).reshape(p, k * j * g, *latent_shape)
         ks = jnp.asarray(algo.branch_steps, jnp.int32)
-        carry = TrainBatch(x=xs[ks], x_next=branch_x, step=ks, old_log_prob=old_log_prob,
-                           advantages=jnp.zeros(branch_x.shape[:3], jnp.float32))
-        return per_prompt, carry
+        transitions = SampledTransitions(batch=TrainBatch(
+            x=xs[ks], x_next=branch_x, step=ks, old_log_prob=old_log_prob,
+            advantages=jnp.zeros(branch_x.shape[:3], jnp.float32)))
+        return per_prompt, transitions
 
-    def singular_finish(scores, carry):
-        k, p = carry.x_next.shape[:2]
+    def singular_finish(scores, transitions):
+        k, p = transitions.batch.x_next.shape[:2]
         j = len(algo.granularities)
         r = scores.shape[0]
         rewards = jnp.moveaxis(scores.reshape(r, p, k, j, g), (2, 3), (0, 1))  # [K, J, R, P, G]
@@ -100,7 +115,7 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
                  "reward_mean": jnp.mean(rewards[:, finest], axis=(0, 2, 3)),
                  "reward_std": jnp.mean(jnp.std(rewards[:, finest], axis=-1, ddof=1),
                                         axis=(0, 2))}
-        return carry.replace(advantages=advantages), stats
+        return transitions.batch.replace(advantages=advantages), stats
 
     def trajectory_sample(params, cond, key, iteration):
         sig = jnp.asarray(sigmas_np)
@@ -117,20 +132,22 @@ def make_rollout_stages(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[i
         xs, log_probs = rollout.sde_trajectory(velocity, x_init, sig, mask, algo.eta, sde_key,
                                                algo.sde_step, algo.log_prob_reduce)
         trained = algo.trained_steps(pick_key, iteration, num_steps)
-        carry = (TrainBatch(x=xs[trained], x_next=xs[trained + 1], step=trained,
-                            old_log_prob=log_probs[trained],
-                            advantages=jnp.zeros((trained.shape[0], p, g), jnp.float32)), mask)
-        return xs[-1], carry
+        transitions = SampledTransitions(
+            batch=TrainBatch(x=xs[trained], x_next=xs[trained + 1], step=trained,
+                             old_log_prob=log_probs[trained],
+                             advantages=jnp.zeros((trained.shape[0], p, g), jnp.float32)),
+            sde_mask=mask)
+        return xs[-1], transitions
 
-    def trajectory_finish(scores, carry):
-        batch, mask = carry
+    def trajectory_finish(scores, transitions):
+        batch = transitions.batch
         rewards = scores                                            # [R, P, G]
         advantages = adv_lib.integrate_advantages(rewards, reward_weights,
                                                   clip=algo.advantage_clip,
                                                   scale_by_std=algo.advantage_std)   # [P, G]
         stats = {"rewards": rewards, "reward_mean": jnp.mean(rewards, axis=(1, 2)),
                  "reward_std": jnp.mean(jnp.std(rewards, axis=-1, ddof=1), axis=1),
-                 "sde_mask": mask}
+                 "sde_mask": transitions.sde_mask}
         return batch.replace(advantages=jnp.broadcast_to(advantages, batch.advantages.shape)), \
             stats
 
@@ -149,7 +166,7 @@ def make_rollout_fn(graphdef, algo: Algorithm, sigmas, latent_shape: tuple[int, 
                                          guidance, quantize_timesteps)
 
     def rollout_fn(params, cond, key, iteration):
-        finals, carry = sample(params, cond, key, iteration)
-        return finish(reward_fn(finals, cond), carry)
+        finals, transitions = sample(params, cond, key, iteration)
+        return finish(reward_fn(finals, cond), transitions)
 
     return rollout_fn

@@ -16,15 +16,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from g2rpo_jax.dtypes import at_least_float32
+
 __all__ = ["gaussian_kl", "grpo_clip_loss", "grpo_loss"]
 
 DEFAULT_CLIP_RANGE = 1e-4
-
-
-def _as_float(x: jax.Array) -> jax.Array:
-    """Promotes to at least float32: the ratio exp(Δ log π) with ε = 1e-4 is invisible in bf16."""
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -81,9 +77,9 @@ def grpo_clip_loss(
         KL(π_old || π_θ)) and ``log_ratio_abs_max``. With an all-zero mask the extremes report the
         neutral values 1 (ratios) and 0 (log-ratio).
     """
-    log_prob = _as_float(log_prob)
-    old_log_prob = jax.lax.stop_gradient(_as_float(old_log_prob))
-    advantages = jax.lax.stop_gradient(_as_float(advantages))
+    log_prob = at_least_float32(log_prob)
+    old_log_prob = jax.lax.stop_gradient(at_least_float32(old_log_prob))
+    advantages = jax.lax.stop_gradient(at_least_float32(advantages))
     shape = jnp.broadcast_shapes(log_prob.shape, old_log_prob.shape, advantages.shape)
     log_prob = jnp.broadcast_to(log_prob, shape)
     advantages = jnp.broadcast_to(advantages, shape)
@@ -142,9 +138,9 @@ def gaussian_kl(
     """
     if reduce not in ("mean", "sum"):
         raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-    mean = _as_float(mean)
-    ref_mean = jax.lax.stop_gradient(_as_float(ref_mean))
-    std = jax.lax.stop_gradient(_as_float(std))
+    mean = at_least_float32(mean)
+    ref_mean = jax.lax.stop_gradient(at_least_float32(ref_mean))
+    std = jax.lax.stop_gradient(at_least_float32(std))
     if std.ndim == 1 and mean.ndim > 1 and std.shape[0] == mean.shape[0]:
         # A [B] std is per sample: align it with the batch axis, not the trailing one.
         std = std.reshape(std.shape + (1,) * (mean.ndim - 1))
@@ -193,7 +189,7 @@ def grpo_loss(
         loss = policy_loss
         kl_mean = jnp.zeros((), policy_loss.dtype)
     else:
-        kl_mean = _masked_mean(_as_float(kl), mask)
+        kl_mean = _masked_mean(at_least_float32(kl), mask)
         loss = policy_loss + kl_beta * kl_mean
     metrics = dict(metrics)
     metrics["policy_loss"] = jax.lax.stop_gradient(policy_loss)

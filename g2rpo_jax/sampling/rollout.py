@@ -20,9 +20,6 @@ from g2rpo_jax.sampling import schedules, sde
 
 VelocityFn = Callable[[jax.Array, jax.Array], jax.Array]
 
-# Conditioning entries with a leading prompt axis [P, ...]; the others (position ids) are shared.
-PER_PROMPT_COND = ("txt", "y")
-
 STEP_FNS = {"flow_grpo": sde.flow_grpo_step, "dance_grpo": sde.dance_grpo_step}
 
 
@@ -31,28 +28,6 @@ def step_fn(name: str):
     if name not in STEP_FNS:
         raise ValueError(f"Unknown SDE step {name!r}; use one of {sorted(STEP_FNS)}.")
     return STEP_FNS[name]
-
-
-def place_cond(cond: dict, mesh: jax.sharding.Mesh, rules=None,
-               prompts: int | None = None) -> dict:
-    """Host (or local) conditioning on the mesh: per-prompt entries split over the batch
-    axes, shared entries replicated. Every process passes the same shared entries; its
-    per-prompt entries are all `P` prompts, or with `prompts=P` only its own rows
-    (`parallel.host_row_indices`)."""
-    from g2rpo_jax import parallel  # sampling/ only needs devices at this one entry point
-
-    rules = parallel.rules_from_config(rules)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    placed = {}
-    for k, v in cond.items():
-        v = np.asarray(v)
-        if k not in PER_PROMPT_COND:
-            placed[k] = parallel.put_global(v, replicated)
-        elif prompts is not None:
-            placed[k] = parallel.from_local_rows(v, mesh, prompts, rules=rules)
-        else:
-            placed[k] = parallel.put_global(v, parallel.batch_sharding(mesh, v.shape, rules))
-    return placed
 
 
 def make_velocity_fn(apply_fn: Callable, cond: dict, guidance: float | None,

@@ -5,21 +5,22 @@ schedule is a 1-D float32 array ``sigmas`` of length T + 1 with ``sigmas[0] = 1`
 ``sigmas[T] = 0``; step i goes from ``sigmas[i]`` to ``sigmas[i + 1]`` (dt < 0).
 
 Multi-Granularity Advantage Integration finishes each branch (taken at step k) with a coarser
-schedule: the first fine step after the branch, then every λ-th sigma of the original grid. The
-schedule lengths differ per (k, λ); :func:`padded_granular_sigmas` pads them to one static length
-with zero-length steps so that every (k, λ) can share a single ``lax.scan``.
+schedule, :func:`granular_sigmas`: the first fine step after the branch, then every λ-th sigma of
+the original grid. The schedule lengths differ per (k, λ), so the rollout plans the
+continuations statically (``rollout.plan_continuations``): the (k, λ) pairs are packed back to
+back into lanes that run side by side in one ``lax.scan``, one model call per scan step for all
+lanes, and a lane with nothing left to do takes zero-length (identity) steps.
 
-All functions that take ``k``, ``granularity`` or ``length`` need them as static Python ints: they
-decide array shapes.
+``k`` and ``granularity`` must be static Python ints: they decide array shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from g2rpo_jax.dtypes import at_least_float32
 
 __all__ = [
     "flux_dev_sigmas",
@@ -27,8 +28,6 @@ __all__ = [
     "flux_mu",
     "flux_sigmas",
     "granular_sigmas",
-    "max_granular_length",
-    "padded_granular_sigmas",
     "quantize_timesteps",
     "time_shift",
 ]
@@ -47,7 +46,7 @@ def time_shift(sigmas: ArrayLike, shift: float) -> jax.Array:
         ``[...]`` shifted sigmas in float32 (or wider if the input is wider). 0 and 1 are fixed
         points of the map, exactly so for integer shifts.
     """
-    sigmas = _as_float(sigmas)
+    sigmas = at_least_float32(sigmas)
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
@@ -109,7 +108,7 @@ def flux_exponential_shift(sigmas: ArrayLike, mu: float | jax.Array) -> jax.Arra
     Returns:
         ``[...]`` shifted sigmas in float32 (or wider if the input is wider).
     """
-    sigmas = _as_float(sigmas)
+    sigmas = at_least_float32(sigmas)
     scale = jnp.exp(jnp.asarray(mu, dtype=sigmas.dtype))
     scaled = scale * sigmas
     return scaled / (scaled + (1 - sigmas))
@@ -161,7 +160,7 @@ def granular_sigmas(
     Raises:
         ValueError: if ``sigmas`` is not 1-D, or k or λ is out of range.
     """
-    sigmas = _as_float(sigmas)
+    sigmas = at_least_float32(sigmas)
     if sigmas.ndim != 1:
         raise ValueError(f"sigmas must be a 1-D schedule [T + 1], got shape {sigmas.shape}")
     indices, needs_zero = _granular_indices(sigmas.shape[0], k, granularity)
@@ -169,79 +168,6 @@ def granular_sigmas(
     if end_at_zero and needs_zero:
         schedule = jnp.concatenate([schedule, jnp.zeros((1,), schedule.dtype)])
     return schedule
-
-
-def padded_granular_sigmas(
-    sigmas: ArrayLike,
-    k: int,
-    granularity: int,
-    length: int,
-    end_at_zero: bool = True,
-) -> tuple[jax.Array, int]:
-    """:func:`granular_sigmas` padded to a static ``length`` by repeating its final sigma.
-
-    A padded step goes from σ to the same σ (dt = 0), and an Euler step with dt = 0 is the
-    identity, so a ``lax.scan`` over ``length - 1`` steps yields the same final state for every
-    (k, λ); schedules of different granularities can then be stacked and share one scan.
-
-    Args:
-        sigmas: ``[T + 1]`` the fine schedule.
-        k: the branch step (static).
-        granularity: the stride λ (static).
-        length: the padded length (static), at least the unpadded length; see
-            :func:`max_granular_length`.
-        end_at_zero: as in :func:`granular_sigmas`.
-
-    Returns:
-        ``(schedule, num_valid)``: the ``[length]`` float32 schedule and the number of its entries
-        (not steps) that belong to the unpadded schedule, a Python int. Steps
-        ``i >= num_valid - 1`` are padding.
-
-    Raises:
-        ValueError: if ``length`` is shorter than the unpadded schedule, or as
-            :func:`granular_sigmas`.
-    """
-    schedule = granular_sigmas(sigmas, k, granularity, end_at_zero)
-    num_valid = schedule.shape[0]
-    if length < num_valid:
-        raise ValueError(
-            f"length={length} is shorter than the granular schedule for k={k}, "
-            f"granularity={granularity} ({num_valid} sigmas)"
-        )
-    padding = jnp.broadcast_to(schedule[-1], (length - num_valid,))
-    return jnp.concatenate([schedule, padding]), num_valid
-
-
-def max_granular_length(
-    num_steps: int,
-    ks: Iterable[int],
-    granularities: Iterable[int],
-    end_at_zero: bool = True,
-) -> int:
-    """The longest granular schedule over all branch steps ``ks`` and ``granularities``.
-
-    Args:
-        num_steps: number of fine steps T (the fine schedule has T + 1 sigmas).
-        ks: branch steps k.
-        granularities: strides λ.
-        end_at_zero: as in :func:`granular_sigmas`.
-
-    Returns:
-        The maximum number of sigmas, a Python int: the ``length`` that lets every (k, λ) share
-        one padded scan.
-
-    Raises:
-        ValueError: if ``ks`` or ``granularities`` is empty, or any value is out of range.
-    """
-    ks = list(ks)
-    granularities = list(granularities)
-    if not ks or not granularities:
-        raise ValueError(f"ks and granularities must be non-empty, got {ks} and {granularities}")
-    return max(
-        _granular_length(num_steps + 1, k, granularity, end_at_zero)
-        for k in ks
-        for granularity in granularities
-    )
 
 
 def quantize_timesteps(sigmas: ArrayLike) -> jax.Array:
@@ -257,13 +183,8 @@ def quantize_timesteps(sigmas: ArrayLike) -> jax.Array:
     Returns:
         ``[...]`` quantised timesteps in float32 (or wider if the input is wider).
     """
-    sigmas = _as_float(sigmas)
+    sigmas = at_least_float32(sigmas)
     return jnp.trunc(sigmas * 1000) / 1000
-
-
-def _as_float(x: ArrayLike) -> jax.Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _check_num_steps(num_steps: int) -> None:
@@ -293,8 +214,3 @@ def _granular_indices(num_sigmas: int, k: int, granularity: int) -> tuple[list[i
     # k <= T - 1 keeps k + 2 <= T + 1, so the head never runs past the fine schedule.
     indices = list(range(k + 2)) + list(range(k + 2, num_sigmas, int(granularity)))
     return indices, indices[-1] != num_sigmas - 1
-
-
-def _granular_length(num_sigmas: int, k: int, granularity: int, end_at_zero: bool) -> int:
-    indices, needs_zero = _granular_indices(num_sigmas, k, granularity)
-    return len(indices) + int(end_at_zero and needs_zero)

@@ -57,8 +57,8 @@ def euler_step(
         ``[B, ...]`` next latents in ``x.dtype``; the update itself is computed in float32 so
         that bf16 trajectories do not accumulate bf16 rounding of the small per-step increments.
     """
-    x32, v32 = _f32(x), _f32(v)
-    dt = _f32(sigma_next) - _f32(sigma)
+    x32, v32 = jnp.asarray(x, jnp.float32), jnp.asarray(v, jnp.float32)
+    dt = jnp.asarray(sigma_next, jnp.float32) - jnp.asarray(sigma, jnp.float32)
     return (x32 + v32 * dt).astype(jnp.asarray(x).dtype)
 
 
@@ -76,10 +76,10 @@ def flow_grpo_std(sigmas: jax.Array, i: jax.Array | int, eta: jax.Array | float)
     Returns:
         ``[]`` float32 std_t (the diffusion coefficient, not yet scaled by sqrt(-dt)).
     """
-    sigmas = _f32(sigmas)
+    sigmas = jnp.asarray(sigmas, jnp.float32)
     sigma = sigmas[i]
     sigma_prime = _flow_grpo_sigma_prime(sigmas, sigma)
-    return _f32(eta) * jnp.sqrt(sigma / (1 - sigma_prime))
+    return jnp.asarray(eta, jnp.float32) * jnp.sqrt(sigma / (1 - sigma_prime))
 
 
 def gaussian_log_prob(
@@ -109,7 +109,7 @@ def gaussian_log_prob(
         ValueError: if ``reduce`` is not one of ``"mean"``, ``"sum"``.
     """
     _check_reduce(reduce)
-    x_next, mean, std = _f32(x_next), _f32(mean), _f32(std)
+    x_next, mean, std = (jnp.asarray(a, jnp.float32) for a in (x_next, mean, std))
     is_random = std > 0
     # Double where: the unused branch must be finite too, or its NaN gradient leaks through.
     safe_std = jnp.where(is_random, std, 1.0)
@@ -166,12 +166,14 @@ def flow_grpo_step(
     """
     _check_key_or_sample(key, x_next)
     _check_reduce(reduce)
-    sigmas = _f32(sigmas)
+    sigmas = jnp.asarray(sigmas, jnp.float32)
     sigma, sigma_next = sigmas[i], sigmas[i + 1]
     dt = sigma_next - sigma
     std_t = flow_grpo_std(sigmas, i, eta)
-    std_t_sq_over_sigma = jnp.square(_f32(eta)) / (1 - _flow_grpo_sigma_prime(sigmas, sigma))
-    mean = _drift_corrected_mean(_f32(x), _f32(v), sigma, dt, std_t_sq_over_sigma)
+    std_t_sq_over_sigma = (jnp.square(jnp.asarray(eta, jnp.float32))
+                           / (1 - _flow_grpo_sigma_prime(sigmas, sigma)))
+    mean = _drift_corrected_mean(jnp.asarray(x, jnp.float32), jnp.asarray(v, jnp.float32), sigma,
+                                 dt, std_t_sq_over_sigma)
     std = std_t * jnp.sqrt(-dt)
     return _sample_and_score(x, mean, std, key, x_next, reduce)
 
@@ -220,12 +222,13 @@ def dance_grpo_step(
     """
     _check_key_or_sample(key, x_next)
     _check_reduce(reduce)
-    sigmas = _f32(sigmas)
+    sigmas = jnp.asarray(sigmas, jnp.float32)
     sigma, sigma_next = sigmas[i], sigmas[i + 1]
     dt = sigma_next - sigma
-    eta = _f32(eta)
+    eta = jnp.asarray(eta, jnp.float32)
     safe_sigma = jnp.where(sigma > 0, sigma, 1.0)
-    mean = _drift_corrected_mean(_f32(x), _f32(v), sigma, dt, jnp.square(eta) / safe_sigma)
+    mean = _drift_corrected_mean(jnp.asarray(x, jnp.float32), jnp.asarray(v, jnp.float32), sigma,
+                                 dt, jnp.square(eta) / safe_sigma)
     std = eta * jnp.sqrt(-dt)
     return _sample_and_score(x, mean, std, key, x_next, reduce)
 
@@ -264,10 +267,6 @@ def _sample_and_score(
 
 def _flow_grpo_sigma_prime(sigmas: jax.Array, sigma: jax.Array) -> jax.Array:
     return jnp.where(sigma == 1, sigmas[1], sigma)
-
-
-def _f32(x: jax.Array | float) -> jax.Array:
-    return jnp.asarray(x, dtype=jnp.float32)
 
 
 def _check_reduce(reduce: str) -> None:

@@ -30,7 +30,6 @@ from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.models import autoencoder as autoencoder_lib
 from g2rpo_jax.models import autoencoder_weights, flux, flux_weights
-from g2rpo_jax.sampling import rollout
 from g2rpo_jax.tasks.base import Batch
 
 REQUIRED_SECTIONS = ("autoencoder", "text", "image", "data", "reward", "train", "evaluation")
@@ -290,7 +289,7 @@ class FluxTask:
 
     def next_batch(self) -> Batch:
         batch = next(self.reader)
-        cond = rollout.place_cond(
+        cond = parallel.place_cond(
             dict(self._shared, txt=batch["t5"].astype(np.float32),
                  y=batch["clip_pooled"].astype(np.float32)),
             self.mesh, self.rules, prompts=self.prompts_per_iteration)

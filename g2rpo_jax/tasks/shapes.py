@@ -13,7 +13,6 @@ from g2rpo_jax import config_lib, held_out, parallel
 from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
-from g2rpo_jax.sampling import rollout
 from g2rpo_jax.tasks.base import Batch
 
 
@@ -77,7 +76,7 @@ class ShapesTask:
 
     def next_batch(self) -> Batch:
         prompts = next(self.reader)["prompt"]
-        cond = rollout.place_cond(self.generator.encode(prompts), self.mesh, self.rules,
+        cond = parallel.place_cond(self.generator.encode(prompts), self.mesh, self.rules,
                                   prompts=self.prompts_per_iteration)
         ids = np.asarray([self._prompt_index[p] for p in prompts], np.int32)
         return Batch(cond, prompts, ids)

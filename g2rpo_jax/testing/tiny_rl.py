@@ -3,13 +3,13 @@
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
+from g2rpo_jax import config_lib, parallel
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.models import flux
 from g2rpo_jax.rewards import synthetic
-from g2rpo_jax.rl import iteration, update
-from g2rpo_jax.sampling import rollout
+from g2rpo_jax.rl import iteration, policy_update
 
 # hidden 32 (4 heads of 8), 1+1 blocks, 4 latent channels: an iteration compiles in seconds.
 TINY_FLUX = flux.FluxConfig(num_layers=1, num_single_layers=1, attention_head_dim=8,
@@ -17,14 +17,12 @@ TINY_FLUX = flux.FluxConfig(num_layers=1, num_single_layers=1, attention_head_di
                             pooled_projection_dim=8, in_channels=4, axes_dims_rope=(2, 2, 4))
 
 # AdamW at a test-sized learning rate.
-ADAMW = ml_collections.ConfigDict(dict(
-    learning_rate=1e-3, schedule="constant", warmup_steps=0, decay_steps=1, b1=0.9, b2=0.999,
-    eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0))
+ADAMW = config_lib.optimizer_config(learning_rate=1e-3)
 
 # Plain SGD through the same AdamW code (b1 = b2 = 0, eps = 1: update ≈ lr·g for small g), for
 # comparisons that Adam's first step (≈ lr·sign(g)) would blow up from rounding-level gradients.
-SGD = ml_collections.ConfigDict(dict(ADAMW, learning_rate=1e-2, weight_decay=0.0, b1=0.0,
-                                     b2=0.0, eps=1.0, grad_clip_norm=1e9))
+SGD = config_lib.optimizer_config(learning_rate=1e-2, weight_decay=0.0, b1=0.0, b2=0.0, eps=1.0,
+                                  grad_clip_norm=1e9)
 
 
 def random_cond(mesh, prompts: int, image_tokens: int = 16, text_tokens: int = 4,
@@ -36,11 +34,11 @@ def random_cond(mesh, prompts: int, image_tokens: int = 16, text_tokens: int = 4
                 y=jax.random.normal(keys[1], (prompts, cfg.pooled_projection_dim)),
                 txt_ids=jnp.zeros((text_tokens, 3)),
                 img_ids=jnp.stack([jnp.zeros(image_tokens), token // 4, token % 4], -1))
-    return rollout.place_cond(cond, mesh)
+    return parallel.place_cond(cond, mesh)
 
 
 def run_iteration(algo, mesh, sigmas, prompts: int, image_tokens: int = 16,
-                  settings: update.UpdateSettings | None = None,
+                  settings: policy_update.PolicyUpdate | None = None,
                   optimizer_config=ADAMW, model_config: flux.FluxConfig = TINY_FLUX,
                   reward_fn=synthetic.brightness, reward_weights=(1.0,), seed: int = 0) -> dict:
     """One iteration: rollout → rewards → advantages → update, all on `mesh`.
@@ -48,10 +46,10 @@ def run_iteration(algo, mesh, sigmas, prompts: int, image_tokens: int = 16,
     Returns batch, stats, the updated state, update metrics, the parameters before (numpy),
     the graphdef and the conditioning.
     """
-    settings = settings or update.UpdateSettings()
+    settings = settings or policy_update.PolicyUpdate()
     graphdef, params = nnx.split(flux.init_sharded(model_config, mesh, seed=seed))
-    optimizer = update.make_optimizer(optimizer_config)
-    state = update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
+    optimizer = optimizer_lib.make_optimizer(optimizer_config)
+    state = policy_update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
     cond = random_cond(mesh, prompts, image_tokens, cfg=model_config)
     rollout_fn = jax.jit(iteration.make_rollout_fn(
         graphdef, algo, sigmas, (image_tokens, model_config.in_channels), reward_fn,
@@ -59,8 +57,9 @@ def run_iteration(algo, mesh, sigmas, prompts: int, image_tokens: int = 16,
     with jax.set_mesh(mesh):
         batch, stats = rollout_fn(state.params, cond, jax.random.key(seed), 0)
         before = jax.tree.map(np.asarray, state.params)
-        update_fn = update.jit_update(
-            update.make_update_fn(graphdef, optimizer, algo, settings, sigmas), state, batch, cond)
+        update_fn = policy_update.jit_update(
+            policy_update.make_update_fn(graphdef, optimizer, algo, settings, sigmas), state,
+            batch, cond)
         state, metrics = update_fn(state, batch, cond)
     return dict(batch=batch, stats=stats, state=state, metrics=metrics, before=before,
                 graphdef=graphdef, cond=cond)

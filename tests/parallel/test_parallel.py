@@ -123,6 +123,33 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+def test_place_cond_shards_per_prompt_entries():
+    mesh = parallel.make_mesh((8, 1, 1))
+    cond = {"txt": np.arange(8 * 5 * 3, dtype=np.float32).reshape(8, 5, 3),
+            "y": np.arange(8 * 4, dtype=np.float32).reshape(8, 4) + 0.5,
+            "txt_ids": np.arange(5 * 3, dtype=np.float32).reshape(5, 3),
+            "img_ids": np.arange(4 * 3, dtype=np.float32).reshape(4, 3) + 1000}
+    placed = parallel.place_cond(cond, mesh)
+    assert set(placed) == set(cond)
+    for name in ("txt", "y"):
+        arr = placed[name]
+        np.testing.assert_array_equal(np.asarray(arr), cond[name])
+        expected = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        assert arr.sharding.is_equivalent_to(expected, arr.ndim), arr.sharding
+        shards = arr.addressable_shards
+        assert len(shards) == 8
+        rows = sorted(s.index[0].start for s in shards)
+        assert rows == list(range(8))
+        for s in shards:
+            assert s.data.shape == (1, *cond[name].shape[1:])
+            np.testing.assert_array_equal(np.asarray(s.data), cond[name][s.index])
+    for name in ("txt_ids", "img_ids"):
+        arr = placed[name]
+        assert arr.sharding.is_fully_replicated
+        assert len(arr.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(arr), cond[name])
+
+
 @pytest.mark.slow
 def test_two_processes_form_one_global_mesh(tmp_path):
     with socket.socket() as s:
@@ -203,16 +230,16 @@ def test_mesh_that_needs_split_physical_axes(monkeypatch):
 
 
 def test_init_state_lays_adam_moments_out_like_the_parameters():
-    """rl.update.init_state: AdamW's moments take the parameters' FSDP sharding (left to jit
+    """rl.policy_update.init_state: AdamW's moments take the parameters' FSDP sharding (left to jit
     they would land on one device and be replicated)."""
     import optax
 
-    from g2rpo_jax.rl import update
+    from g2rpo_jax.rl import policy_update
 
     mesh = parallel.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", None))
     params = {"w": jax.device_put(jnp.ones((8, 4)), spec)}
-    state = update.init_state(params, optax.adamw(1e-3), False, mesh)
+    state = policy_update.init_state(params, optax.adamw(1e-3), False, mesh)
     mu, nu = state.opt_state[0].mu["w"], state.opt_state[0].nu["w"]
     for moment in (mu, nu):
         assert moment.sharding.is_equivalent_to(spec, 2)

@@ -78,7 +78,7 @@ def test_forward_pass_counts_match_method_cost_paragraph():
 @pytest.mark.parametrize("name", list(algorithms.PRESETS))
 def test_config_files_select_algorithms_by_argument(name):
     from g2rpo_jax import config_lib
-    from g2rpo_jax.rl import update
+    from g2rpo_jax.rl import policy_update
 
     config = config_lib.load_config("flux_tiny.py", name)
     algo = algorithms.Algorithm.from_config(config.algorithm)
@@ -89,7 +89,7 @@ def test_config_files_select_algorithms_by_argument(name):
     if algo.rollout == "singular":
         sized["branch_steps"] = (0, 1)
     assert algo == algorithms.Algorithm.from_config(algorithms.preset(name, **sized))
-    settings = update.settings_from_config(config)
+    settings = policy_update.PolicyUpdate.from_config(config)
     assert settings.guidance == 3.5 and settings.steps_per_update == 0
 
 

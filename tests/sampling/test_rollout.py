@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from g2rpo_jax import parallel
 from g2rpo_jax.sampling import rollout, schedules, sde
 
 P, G, N, C = 2, 3, 4, 2
@@ -593,7 +592,7 @@ def test_step_log_prob_sum_reduction(sigmas8):
 
 
 # --------------------------------------------------------------------------------------------
-# make_velocity_fn / place_cond
+# make_velocity_fn
 # --------------------------------------------------------------------------------------------
 
 TXT_LEN, TXT_DIM, Y_DIM = 5, 3, 4
@@ -694,27 +693,3 @@ def test_make_velocity_fn_drives_rollout():
         for i in range(4):
             x = x + (-x * (1 + s[i]) + cond["y"][p, 0] * 0.1) * (s[i + 1] - s[i])
         np.testing.assert_allclose(f64(xs[-1, p, 0]), x, **TOL)
-
-
-def test_place_cond_shards_per_prompt_entries():
-    mesh = parallel.make_mesh((8, 1, 1))
-    cond = _cond(p=8)
-    placed = rollout.place_cond(cond, mesh)
-    assert set(placed) == set(cond)
-    for name in ("txt", "y"):
-        arr = placed[name]
-        np.testing.assert_array_equal(np.asarray(arr), cond[name])
-        expected = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-        assert arr.sharding.is_equivalent_to(expected, arr.ndim), arr.sharding
-        shards = arr.addressable_shards
-        assert len(shards) == 8
-        rows = sorted(s.index[0].start for s in shards)
-        assert rows == list(range(8))
-        for s in shards:
-            assert s.data.shape == (1, *cond[name].shape[1:])
-            np.testing.assert_array_equal(np.asarray(s.data), cond[name][s.index])
-    for name in ("txt_ids", "img_ids"):
-        arr = placed[name]
-        assert arr.sharding.is_fully_replicated
-        assert len(arr.sharding.device_set) == 8
-        np.testing.assert_array_equal(np.asarray(arr), cond[name])

@@ -5,21 +5,22 @@ import dataclasses
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
+import optax
 import pytest
 
+from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax import parallel
 from g2rpo_jax.models import flux
 from g2rpo_jax.rewards import synthetic
-from g2rpo_jax.rl import algorithms, iteration, update
+from g2rpo_jax.rl import algorithms, iteration, policy_update
 from g2rpo_jax.sampling import rollout, schedules
 from g2rpo_jax.testing import tiny_rl
 
 CFG = tiny_rl.TINY_FLUX
 PROMPTS, STEPS, TOKENS, TEXT = 8, 6, 16, 4
 SIGMAS = schedules.flux_sigmas(STEPS, 3.0)
-OPTIMIZER, SGD = tiny_rl.ADAMW, tiny_rl.SGD
+SGD = tiny_rl.SGD
 
 
 def _algo(name, **overrides):
@@ -53,13 +54,13 @@ MOVED = 1e-3
 def kept_update_fns(monkeypatch):
     """The jitted updates `_run` builds, kept so that a control can apply one again without
     compiling it a second time (15 to 30 s on 2 CPU cores)."""
-    kept, jit_update = [], update.jit_update
+    kept, jit_update = [], policy_update.jit_update
 
     def keep(*args, **kwargs):
         kept.append(jit_update(*args, **kwargs))
         return kept[-1]
 
-    monkeypatch.setattr(update, "jit_update", keep)
+    monkeypatch.setattr(policy_update, "jit_update", keep)
     return kept
 
 
@@ -75,7 +76,7 @@ def _update_again(out: dict, update_fn, mesh) -> dict:
     whose stored old log-probs are now stale. Donates the state, so takes it out of `out`."""
     with jax.set_mesh(mesh):
         _, metrics = update_fn(out.pop("state"), out["batch"], out["cond"])
-    return update.summarize(metrics)
+    return policy_update.summarize(metrics)
 
 
 @pytest.mark.slow
@@ -85,12 +86,12 @@ def test_first_ratio_is_one_with_rollout_batch_larger_than_update(name, kept_upd
     rollout scores 8 prompts × G members in one call (the continuation even more), the update
     works in micro-batches of 2 prompts."""
     mesh = parallel.make_mesh((2, 4, 1))
-    out = _run(_algo(name), mesh, update.UpdateSettings(micro_batch_prompts=2))
+    out = _run(_algo(name), mesh, policy_update.PolicyUpdate(micro_batch_prompts=2))
     (update_fn,) = kept_update_fns
     first = np.asarray(out["metrics"]["log_ratio_abs_max"][0])   # the first optimizer step
     assert first.shape[-1] == PROMPTS // 2                       # every micro-batch checked
     assert first.max() < 1e-6
-    summary = update.summarize(out["metrics"])
+    summary = policy_update.summarize(out["metrics"])
     assert summary["first_update_log_ratio_abs_max"] < 1e-6
     for key in ("loss", "clip_fraction", "approx_kl", "grad_norm", "ratio_mean"):
         assert np.isfinite(summary[key])
@@ -114,7 +115,7 @@ def test_first_ratio_is_one_with_rollout_batch_larger_than_update(name, kept_upd
 def test_recomputed_old_log_probs_match_the_rollout(kept_update_fns):
     mesh = parallel.make_mesh((8, 1, 1))
     out = _run(_algo("g2rpo"), mesh,
-               update.UpdateSettings(micro_batch_prompts=4, recompute_old_log_prob=True))
+               policy_update.PolicyUpdate(micro_batch_prompts=4, recompute_old_log_prob=True))
     (update_fn,) = kept_update_fns
     gap = float(out["metrics"]["rollout_log_prob_gap"])
     first = float(np.max(out["metrics"]["log_ratio_abs_max"][0]))
@@ -153,6 +154,21 @@ def test_g2rpo_batch_layout_and_advantages():
     np.testing.assert_allclose(np.asarray(batch.advantages), expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["g2rpo", "dance_grpo"])
+def test_rollout_stages_hand_over_one_type(name):
+    """`sample` hands `finish` a SampledTransitions in both rollout families; only the
+    trajectory rollout has an SDE mask."""
+    algo = _algo(name)
+    mesh = parallel.make_mesh((8, 1, 1))
+    graphdef, params = nnx.split(flux.init_sharded(CFG, mesh, seed=0))
+    sample, _ = iteration.make_rollout_stages(graphdef, algo, SIGMAS, (TOKENS, CFG.in_channels),
+                                              (1.0,), 3.5)
+    _, transitions = jax.eval_shape(sample, params, _cond(mesh), jax.random.key(0), 0)
+    assert isinstance(transitions, iteration.SampledTransitions)
+    assert transitions.batch.advantages.shape == transitions.batch.old_log_prob.shape
+    assert (transitions.sde_mask is None) == (algo.rollout == "singular")
+
+
 def test_trajectory_advantages_are_per_trajectory():
     algo = _algo("dance_grpo")
     out = _run(algo, parallel.make_mesh((8, 1, 1)))
@@ -178,8 +194,8 @@ def test_positive_advantage_raises_that_samples_log_prob(steps_per_update):
     adv = np.zeros(batch.advantages.shape, np.float32)
     adv[0, 3, 1] = 1.0                                                      # k=0, prompt 3, member 1
     batch = batch.replace(advantages=jax.device_put(adv, batch.advantages.sharding))
-    optimizer = update.make_optimizer(SGD)
-    state = update.init_state(jax.tree.map(jnp.copy, params), optimizer, False, mesh)
+    optimizer = optimizer_lib.make_optimizer(SGD)
+    state = policy_update.init_state(jax.tree.map(jnp.copy, params), optimizer, False, mesh)
 
     def log_prob(params):
         velocity = rollout.make_velocity_fn(nnx.merge(graphdef, params), cond, 3.5)
@@ -188,9 +204,9 @@ def test_positive_advantage_raises_that_samples_log_prob(steps_per_update):
 
     with jax.set_mesh(mesh):
         before = np.asarray(jax.jit(log_prob)(state.params))
-        update_fn = update.jit_update(update.make_update_fn(
-            graphdef, optimizer, algo, update.UpdateSettings(steps_per_update=steps_per_update),
-            SIGMAS),
+        settings = policy_update.PolicyUpdate(steps_per_update=steps_per_update)
+        update_fn = policy_update.jit_update(
+            policy_update.make_update_fn(graphdef, optimizer, algo, settings, SIGMAS),
             state, batch, cond)
         state, _ = update_fn(state, batch, cond)
         after = np.asarray(jax.jit(log_prob)(state.params))
@@ -210,7 +226,7 @@ def test_sharded_iterations_match_unsharded(name):
     up magnified in the advantages and say nothing about the update's sharding.
     """
     algo = _algo(name)
-    settings = update.UpdateSettings(steps_per_update=1)
+    settings = policy_update.PolicyUpdate(steps_per_update=1)
     single = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     reference = _run(algo, single, settings, optimizer_config=SGD)
     ref_batch = jax.tree.map(np.asarray, reference["batch"])
@@ -226,14 +242,14 @@ def test_sharded_iterations_match_unsharded(name):
         # The update, sharded, on the reference rollout.
         model = flux.init_sharded(CFG, mesh, seed=0)
         graphdef, params = nnx.split(model)
-        optimizer = update.make_optimizer(SGD)
-        state = update.init_state(params, optimizer, False, mesh)
+        optimizer = optimizer_lib.make_optimizer(SGD)
+        state = policy_update.init_state(params, optimizer, False, mesh)
         batch = jax.tree.map(lambda ref, placed: jax.device_put(ref, placed.sharding), ref_batch,
                              out["batch"])
         cond = _cond(mesh)
         with jax.set_mesh(mesh):
-            update_fn = update.jit_update(
-                update.make_update_fn(graphdef, optimizer, algo, settings, SIGMAS),
+            update_fn = policy_update.jit_update(
+                policy_update.make_update_fn(graphdef, optimizer, algo, settings, SIGMAS),
                 state, batch, cond)
             state, metrics = update_fn(state, batch, cond)
         # The loss is -mean(A·ratio) with mean(A) = 0: O(1) terms cancel, so the tolerance is
@@ -255,15 +271,13 @@ def test_sharded_iterations_match_unsharded(name):
             assert kernel.addressable_shards[0].data.size == kernel.size // 4
 
 
-def test_update_settings_errors():
+def test_policy_update_errors():
     algo = _algo("g2rpo")
     mesh = parallel.make_mesh((8, 1, 1))
     with pytest.raises(ValueError, match="steps_per_update=2 must divide the 3 trained steps"):
-        _run(algo, mesh, update.UpdateSettings(steps_per_update=2))
+        _run(algo, mesh, policy_update.PolicyUpdate(steps_per_update=2))
     with pytest.raises(ValueError, match="micro_batch_prompts=3 must divide the 8 prompts"):
-        _run(algo, mesh, update.UpdateSettings(micro_batch_prompts=3))
-    with pytest.raises(ValueError, match="Unknown learning-rate schedule"):
-        update.make_optimizer(ml_collections.ConfigDict(dict(OPTIMIZER, schedule="magic")))
+        _run(algo, mesh, policy_update.PolicyUpdate(micro_batch_prompts=3))
 
 
 
@@ -274,10 +288,10 @@ def test_bfloat16_ratio_is_one_with_recomputed_old_log_probs(kept_update_fns):
     ratio exactly 1, and the rollout-vs-update gap is reported."""
     mesh = parallel.make_mesh((2, 4, 1))
     out = _run(_algo("g2rpo"), mesh,
-               update.UpdateSettings(micro_batch_prompts=2, recompute_old_log_prob=True),
+               policy_update.PolicyUpdate(micro_batch_prompts=2, recompute_old_log_prob=True),
                model_config=dataclasses.replace(CFG, dtype="bfloat16"))
     (update_fn,) = kept_update_fns
-    summary = update.summarize(out["metrics"])
+    summary = policy_update.summarize(out["metrics"])
     assert summary["first_update_log_ratio_abs_max"] < 1e-6
     assert np.isfinite(summary["rollout_log_prob_gap"])
     # Positive controls, as in the float32 case; in bf16 the moved parameters must also stand
@@ -292,3 +306,66 @@ def test_bfloat16_ratio_is_one_with_recomputed_old_log_probs(kept_update_fns):
     assert later.min() > MOVED
     assert again["rollout_log_prob_gap"] > max(MOVED, 10 * summary["rollout_log_prob_gap"])
     assert again["first_update_log_ratio_abs_max"] < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# The update's pieces, alone, on a toy linear loss: ∇_w Σ w·x = Σ x.
+# --------------------------------------------------------------------------------------------
+
+
+def _toy_batch(num_steps, prompts, scale=1.0):
+    x = scale * jnp.arange(num_steps * prompts * 2, dtype=jnp.float32).reshape(
+        num_steps, prompts, 2)
+    zeros = jnp.zeros((num_steps, prompts), jnp.float32)
+    return policy_update.TrainBatch(x=x, x_next=x, step=jnp.arange(num_steps),
+                                    old_log_prob=zeros, advantages=zeros)
+
+
+def _toy_cond(prompts):
+    return {"txt": jnp.arange(prompts, dtype=jnp.float32)[:, None],
+            "y": jnp.zeros((prompts, 1)), "img_ids": jnp.zeros((3,))}
+
+
+def _toy_loss(params, item, cond, ref_params):
+    del cond, ref_params
+    loss = jnp.sum(params["w"] * item.x)
+    return loss, {"loss": loss}
+
+
+def test_micro_batches_interleave_prompts():
+    split = policy_update.micro_batches(jnp.arange(6), 3)
+    np.testing.assert_array_equal(split, [[0, 3], [1, 4], [2, 5]])
+    cond = policy_update.micro_batch_cond(_toy_cond(6), 3)
+    np.testing.assert_array_equal(cond["txt"][..., 0], [[0, 3], [1, 4], [2, 5]])
+    assert cond["img_ids"].shape == (3, 3)                  # shared entries repeated
+
+
+def test_group_gradient_sums_steps_and_micro_batches():
+    group = _toy_batch(num_steps=2, prompts=4)
+    params = {"w": jnp.ones((2,))}
+    grads, metrics = policy_update.group_gradient(
+        _toy_loss, params, None, group, policy_update.micro_batch_cond(_toy_cond(4), 2), 2)
+    np.testing.assert_allclose(grads["w"], group.x.sum(axis=(0, 1)))
+    assert metrics["loss"].shape == (2, 2)                  # [S, M]
+    np.testing.assert_allclose(metrics["loss"].sum(), group.x.sum())
+
+
+@pytest.mark.parametrize("scale, skipped", [(1.0, False), (jnp.nan, True)])
+def test_optimizer_step_averages_and_skips_non_finite(scale, skipped):
+    optimizer = optax.sgd(0.1)
+    params = {"w": jnp.ones((2,))}
+    state = policy_update.TrainState(params=params, opt_state=optimizer.init(params),
+                                     ref_params=None, step=jnp.zeros((), jnp.int32))
+    group = _toy_batch(num_steps=2, prompts=4, scale=scale)
+    new, (_, grad_norm, was_skipped) = policy_update.optimizer_step(
+        state, group, loss_fn=_toy_loss, optimizer=optimizer,
+        cond_micro=policy_update.micro_batch_cond(_toy_cond(4), 2), count=2)
+    assert bool(was_skipped) == skipped
+    if skipped:
+        np.testing.assert_array_equal(new.params["w"], params["w"])
+        assert int(new.step) == 0
+    else:
+        mean_grad = group.x.sum(axis=(0, 1)) / (2 * 2)      # S steps × micro-batches
+        np.testing.assert_allclose(new.params["w"], params["w"] - 0.1 * mean_grad, rtol=1e-6)
+        np.testing.assert_allclose(grad_norm, np.linalg.norm(mean_grad), rtol=1e-6)
+        assert int(new.step) == 1
