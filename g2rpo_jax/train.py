@@ -155,11 +155,11 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         batch = task.next_batch()
         cond = batch.cond
         with jax.set_mesh(mesh):
-            finals, carry = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
+            finals, transitions = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
         # Outside the global mesh: a task may decode and score on each process's own devices.
         scores = task.rewards(finals, batch)
         with jax.set_mesh(mesh):
-            train_batch, stats = finish_fn(parallel.replicated(scores, mesh), carry)
+            train_batch, stats = finish_fn(parallel.replicated(scores, mesh), transitions)
             if compiled_update is None:
                 compiled_update = policy_update.jit_update(update_fn, state, train_batch, cond)
             state, metrics = compiled_update(state, train_batch, cond)

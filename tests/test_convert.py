@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from g2rpo_jax import convert
-from g2rpo_jax.models import clip_weights, weights
+from g2rpo_jax.models import clip_weights, torch_checkpoints, weights
 
 
 def test_converter_handles_prefixes_bf16_and_extras(tmp_path):
     torch.save({"module.a": torch.ones(2, 3, dtype=torch.bfloat16), "module.b": torch.arange(4),
                 "note": "not a tensor"}, tmp_path / "x.bin")
-    out = convert.convert_torch_checkpoint(tmp_path / "x.bin")
+    out = torch_checkpoints.convert_torch_checkpoint(tmp_path / "x.bin")
     checkpoint = weights.SafetensorsCheckpoint(out)
     assert checkpoint.keys() == ["a", "b"]
     assert checkpoint.dtype("a") == np.dtype(ml_dtypes.bfloat16)
@@ -44,7 +43,7 @@ def test_without_torch_the_error_says_how_to_convert(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_torch)
     with pytest.raises(ImportError, match=r"needs torch.*python -m g2rpo_jax\.convert SRC DST"):
-        convert.convert_torch_checkpoint(tmp_path / "m.pt")
+        torch_checkpoints.convert_torch_checkpoint(tmp_path / "m.pt")
 
 
 def test_command_line(tmp_path):

@@ -13,7 +13,7 @@ Two checkpoint layouts load into the same modules (`from_pretrained`):
   for what shapes cannot tell).
 
 PyTorch pickles (`.pt`, `.bin`, `.pth`) are converted once to a safetensors file beside them by
-`g2rpo_jax.convert` (needs torch; `python -m g2rpo_jax.convert SRC [DST]` does it ahead of time).
+`models/torch_checkpoints.py` (needs torch; `python -m g2rpo_jax.convert SRC [DST]` does it ahead of time).
 """
 
 from collections.abc import Callable, Mapping
@@ -27,8 +27,7 @@ from typing import Any
 from flax import nnx
 import jax
 
-from g2rpo_jax import convert
-from g2rpo_jax.models import clip, weights
+from g2rpo_jax.models import clip, torch_checkpoints, weights
 from g2rpo_jax.models.weights import linear_sources
 from g2rpo_jax.parallel import sharding as sharding_lib
 
@@ -344,8 +343,8 @@ def config_from_open_clip_checkpoint(checkpoint, quick_gelu: bool = False,
 def open_checkpoint(path: str | os.PathLike) -> weights.SafetensorsCheckpoint:
     """A safetensors file or folder; a PyTorch pickle is converted beside it first."""
     path = Path(path)
-    if path.is_file() and path.suffix in convert.TORCH_SUFFIXES:
-        path = convert.convert_torch_checkpoint(path)
+    if path.is_file() and path.suffix in torch_checkpoints.TORCH_SUFFIXES:
+        path = torch_checkpoints.convert_torch_checkpoint(path)
     return weights.SafetensorsCheckpoint(path)
 
 
