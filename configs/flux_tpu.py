@@ -22,7 +22,7 @@ there; no gcsfuse needed).
   ROOT/tfds/                       the preprocessed prompt-embedding datasets (g2rpo_jax.preprocess)
 
 Memory: `benchmarks/tpu_aot.py` compiles this config's rollout and update for real TPU
-topologies on a CPU and reports per-chip memory (README, "TPU memory (AOT)"); the defaults of
+topologies on a CPU and reports per-chip memory (docs/tpu_memory.md); the defaults of
 the mesh, the continuation lanes and the update's micro-batch are the measured ones.
 """
 
@@ -56,7 +56,7 @@ REWARDS = {
 OPTIONS = ("lambda12",)
 
 # ------------------------------------------------------------------------------------------
-# Memory-bound settings, measured with benchmarks/tpu_aot.py (README, "TPU memory (AOT)").
+# Memory-bound settings, measured with benchmarks/tpu_aot.py (docs/tpu_memory.md).
 # Continuation lanes run side by side in one model call of prompts × lanes × G samples; every
 # lane count makes the same number of model calls (the plan packs the (k, λ) finishes), so the
 # bound only trades call size for scan length. Peak HBM per chip of the rollout on 8 chips

@@ -5,7 +5,7 @@
 Trains the tiny FLUX-architecture transformer and its word encoder from scratch on rendered
 images of the training prompts (the held-out prompts are never seen) and writes
 DIR/generator.safetensors. The file shipped as g2rpo_jax/assets/shapes_base.safetensors is that
-run continued for 6,000 more steps (README, "Base generator"):
+run continued for 6,000 more steps (docs/results.md, "The shipped base generator"):
 
   python -m g2rpo_jax.main --config=configs/shapes_pretrain.py --workdir=DIR2 \
       --config.pretrain.init_checkpoint=DIR/generator.safetensors \

@@ -256,7 +256,7 @@ def shapes_config() -> ml_collections.ConfigDict:
     # placement_grid: rendered objects' boxes start on a lattice of this pitch (px,
     # world.sample_scene); the patch size, so that a shape's pixels inside a token do not
     # depend on a sub-token offset: a model this small, pre-trained on objects at any pixel,
-    # draws ragged blobs (README, "The embedded world", base generator).
+    # draws ragged blobs (docs/results.md, "The shipped base generator").
     config.world = ml_collections.ConfigDict(dict(
         image_size=32, patch=4, split_seed=0, held_out_fraction=0.2, placement_grid=4))
     config.text_encoder = ml_collections.ConfigDict(dict(max_length=8))

@@ -25,8 +25,8 @@ from g2rpo_jax import parallel
 from g2rpo_jax.data import world
 from g2rpo_jax.models import flux, packing, state_io, word_encoder
 
-# The base generator shipped with the package (configs/shapes_pretrain.py; README has its
-# command and measured scores).
+# The base generator shipped with the package (configs/shapes_pretrain.py; docs/results.md has
+# its commands and scores).
 SHIPPED_BASE = os.path.join(os.path.dirname(__file__), "assets", "shapes_base.safetensors")
 
 
