@@ -28,12 +28,15 @@ reference too) and `peak` = total + state, compared with the chip's HBM.
 
 XLA's `cost_analysis()` counts a loop body once, not once per iteration (the layer scan, the
 sampling scans, and the windowed einsums XLA makes of FSDP all-gather + matmul), so its numbers
-go to the JSON only (`xla_flops_one_pass`, `xla_optimal_seconds_one_pass`). The table shows a
-model count of the program's matmul flops per chip ("TFLOP/chip": the model calls the program
-makes × `flux_forward_flops`, divided by the shards the batch is split into; within 1% of XLA's
-count on unrolled blocks, tests/test_tpu_aot.py) and the time that takes at the chip's peak bf16
-rate ("s@peak", a lower bound). Writes benchmarks/results/tpu_aot_<topology>.json and prints a
-table.
+go to the JSON only (`xla_flops_one_pass`, `xla_optimal_seconds_one_pass`, `xla_cost_analysis`).
+The table shows a model count of the program's matmul flops per chip ("TFLOP/chip": the model
+calls the program makes × `models.flops.flux_forward_flops`, divided by the shards the batch is
+split into; within 1% of XLA's count on unrolled blocks, tests/test_tpu_aot.py), the time that
+takes at the chip's peak bf16 rate ("s@peak", a lower bound), and, where libtpu gives a time
+estimate, XLA's estimated time ("est. s") and model FLOP utilisation ("est.MFU"; see
+`estimated_mfu`). All of these are estimates: nothing here runs on a TPU. The attention kernel
+is the config's `model.attention` resolved for the topology's platform ("auto" = splash on TPU).
+Writes benchmarks/results/tpu_aot_<topology>.json and prints a table.
 """
 
 import dataclasses
@@ -74,7 +77,9 @@ def install_command() -> str:
             f'"jax[tpu]=={jax.__version__}"   (then run this script with ~/tpuenv/bin/python)')
 
 
-# Per chip: HBM (GiB) and peak dense bf16 FLOP/s, by `device_kind`.
+# Per chip: HBM (GiB) and peak dense bf16 FLOP/s, by `device_kind`, as Google Cloud's TPU
+# documentation lists them (cloud.google.com/tpu/docs/v4, /v5p, /v5e, /v6e: "Peak compute per
+# chip (bf16)" and "HBM2 / HBM capacity").
 CHIPS = {
     "TPU v4": (32.0, 275e12),
     "TPU v5": (95.0, 459e12),          # v5p
@@ -180,29 +185,6 @@ def abstract_cond(config, cfg, prompts: int, mesh, rules) -> dict:
         img_ids=replicated((image, 3), jnp.float32, mesh))
 
 
-# ---------------------------------------------------------------------------------------------
-# Model flops (matmuls; 2 FLOPs per multiply-add).
-
-
-def flux_forward_flops(cfg, image_tokens: int, text_tokens: int) -> float:
-    """Matmul FLOPs of one sample through the FLUX transformer.
-
-    Every token meets 12·D² weights per block (double blocks: its own stream's q, k, v, out and
-    the 4× MLP; single blocks: fused q, k, v, MLP in, and the two output halves), attention
-    costs 2·S²·D multiply-adds per block (scores and values, S = text + image tokens), and the
-    per-sample modulation and embedders are comparatively tiny but counted.
-    """
-    d, m = cfg.hidden_size, cfg.mlp_hidden_dim
-    s = image_tokens + text_tokens
-    blocks = cfg.num_layers + cfg.num_single_layers
-    tokens = s * blocks * (4 * d * d + 2 * d * m) + blocks * 2 * s * s * d
-    modulation = d * d * (12 * cfg.num_layers + 3 * cfg.num_single_layers + 2)
-    embed = (image_tokens * cfg.in_channels * d + text_tokens * cfg.joint_attention_dim * d
-             + image_tokens * d * cfg.output_channels + (2 * 256 + cfg.pooled_projection_dim) * d
-             + 3 * d * d)
-    return 2.0 * (tokens + modulation + embed)
-
-
 @dataclasses.dataclass
 class Job:
     """Everything the pieces share for one topology."""
@@ -222,8 +204,10 @@ class Job:
 
     @property
     def forward_flops(self) -> float:
-        return flux_forward_flops(self.cfg, self.config.describe.image_tokens,
-                                  self.config.describe.text_tokens)
+        from g2rpo_jax.models import flops
+
+        return flops.flux_forward_flops(self.cfg, self.config.describe.image_tokens,
+                                        self.config.describe.text_tokens)
 
 
 def make_job(config, devices) -> Job:
@@ -454,10 +438,31 @@ def compile_piece(job: Job, name: str) -> dict:
                 resident_gib=resident / GIB, peak_gib=(total + resident) / GIB,
                 xla_flops_one_pass=float(cost.get("flops", 0.0)),
                 xla_optimal_seconds_one_pass=float(cost.get("optimal_seconds", 0.0)),
+                xla_cost_analysis={k: float(v) for k, v in cost.items()
+                                   if isinstance(v, int | float)},
                 # The autoencoder has no loops (and replicated weights: no windowed einsums), so
                 # XLA's count is the whole program's.
                 model_flops_per_chip=float(cost.get("flops", 0.0)) if model_flops is None
                 else model_flops)
+
+
+def estimated_mfu(row: dict, peak: float) -> dict:
+    """XLA's estimate of the program's time and the model FLOP utilisation it implies (both
+    estimated, nothing measured): {} where libtpu gives no time estimate.
+
+    libtpu's `cost_analysis()` has "optimal_seconds", its cost model's time, for the same
+    one-pass program its "flops" count (loop bodies once). Their ratio is XLA's estimated
+    FLOP rate per chip for this program's mix of work; the program's time is its model FLOPs
+    per chip at that rate, and MFU = model FLOPs / (chips × peak × that time), the same per chip.
+    A Pallas kernel (splash attention) is a custom call without a cost estimate: XLA sees
+    neither its FLOPs nor its time, so the estimate assumes attention runs at the rate of the
+    rest of the program."""
+    flops, seconds = row["xla_flops_one_pass"], row["xla_optimal_seconds_one_pass"]
+    if not (flops > 0 and seconds > 0):
+        return {}
+    estimated_s = row["model_flops_per_chip"] * seconds / flops
+    return dict(estimated_seconds=estimated_s,
+                estimated_mfu=row["model_flops_per_chip"] / (peak * estimated_s))
 
 
 def run_topology(config, topology: str) -> dict:
@@ -468,7 +473,8 @@ def run_topology(config, topology: str) -> dict:
                   versions=_versions(),
                   hbm_gib_per_chip=hbm, peak_bf16_flops=peak, mesh=dict(job.mesh.shape),
                   algorithm=config.algorithm.name, granularities=list(job.algo.granularities),
-                  prompts_per_iteration=job.prompts, model=_model_summary(job), pieces=[])
+                  prompts_per_iteration=job.prompts, model=_model_summary(job, devices[0]),
+                  pieces=[])
     for name in _PIECES.value:
         if name not in PIECES:
             raise SystemExit(f"Unknown piece {name!r}; choose from {sorted(PIECES)}.")
@@ -476,6 +482,7 @@ def run_topology(config, topology: str) -> dict:
         row["fits"] = bool(hbm) and row["peak_gib"] <= hbm
         if peak and row["model_flops_per_chip"]:
             row["seconds_at_peak"] = row["model_flops_per_chip"] / peak
+            row.update(estimated_mfu(row, peak))
         report["pieces"].append(row)
         print_row(row, hbm)
     return report
@@ -493,10 +500,14 @@ def _versions() -> dict:
     return versions
 
 
-def _model_summary(job: Job) -> dict:
+def _model_summary(job: Job, device) -> dict:
+    from g2rpo_jax.models import attention
+
     cfg = job.cfg
     return dict(num_layers=cfg.num_layers, num_single_layers=cfg.num_single_layers,
                 dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat_policy=cfg.remat_policy,
+                attention=cfg.attention,
+                attention_kernel=attention.resolve(cfg.attention, cfg.dtype, device.platform),
                 image_tokens=job.config.describe.image_tokens,
                 text_tokens=job.config.describe.text_tokens,
                 max_lanes=job.algo.max_lanes,
@@ -506,7 +517,7 @@ def _model_summary(job: Job) -> dict:
 
 HEADER = (f"{'piece':8s} {'shapes':44s} {'args':>6s} {'out':>6s} {'alias':>6s} {'temp':>6s} "
           f"{'total':>6s} {'+state':>6s} {'peak':>6s} {'HBM%':>5s} {'compile':>8s} "
-          f"{'TFLOP/chip':>10s} {'s@peak':>7s}")
+          f"{'TFLOP/chip':>10s} {'s@peak':>7s} {'est. s':>7s} {'est.MFU':>7s}")
 
 
 def print_row(row: dict, hbm: float) -> None:
@@ -516,7 +527,9 @@ def print_row(row: dict, hbm: float) -> None:
           f"{row['output_gib']:6.2f} {row['alias_gib']:6.2f} {row['temp_gib']:6.2f} "
           f"{row['total_gib']:6.2f} {row['resident_gib']:6.2f} {row['peak_gib']:6.2f} "
           f"{share} {row['compile_s']:7.1f}s "
-          f"{(tflops or 0) / 1e12:10.1f} {row.get('seconds_at_peak', float('nan')):7.2f}",
+          f"{(tflops or 0) / 1e12:10.1f} {row.get('seconds_at_peak', float('nan')):7.2f} "
+          f"{row.get('estimated_seconds', float('nan')):7.2f} "
+          f"{100 * row.get('estimated_mfu', float('nan')):6.1f}%",
           flush=True)
 
 
@@ -529,9 +542,14 @@ def main(argv):
     for topology in _TOPOLOGY.value:
         devices = topology_devices(topology)
         hbm, _ = chip_specs(devices[0])
+        from g2rpo_jax.models import attention
+
+        kernel = attention.resolve(config.model.attention, config.model.dtype,
+                                   devices[0].platform)
         print(f"\n{topology}: {len(devices)} chips ({devices[0].device_kind}, {hbm:g} GiB HBM "
               f"each), {config.algorithm.name} Λ={tuple(config.algorithm.granularities)}, "
-              f"{config.train.prompts_per_iteration} prompts; GiB per chip:")
+              f"{config.train.prompts_per_iteration} prompts, attention {kernel}; GiB per chip "
+              "(est. = XLA's cost model, not measured):")
         print(HEADER, flush=True)
         report = run_topology(config, topology)
         path = _OUT.value or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

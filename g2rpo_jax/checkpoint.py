@@ -38,13 +38,14 @@ CHECKPOINTS = "checkpoints"
 # Config fields that may differ between a killed run and its resumption: how long the run goes
 # on and how often it evaluates or saves, where it runs (mesh, processes, sharding rules), and
 # how the same computation is laid out in memory. Any other difference is refused by name.
-# An entry ending in "." covers a whole section.
+# An entry ending in "." covers a whole section. model.attention_impl is the attention field's
+# name in configs saved by older versions, so their runs resume.
 RESUMABLE_FIELDS = (
     "train.num_iterations", "train.eval_every", "train.images_in_grid",
     "train.checkpoint_every", "train.checkpoint_every_seconds", "train.checkpoints_to_keep",
     "train.async_checkpointing", "train.start_over", "train.max_consecutive_skips",
     "mesh.", "distributed.", "sharding_rules", "describe.", "compilation_cache_dir",
-    "model.remat_policy", "model.attention_impl",
+    "model.remat_policy", "model.attention", "model.attention_impl",
     "policy_update.micro_batch_prompts", "reward.batch_size", "data.data_dir",
 )
 

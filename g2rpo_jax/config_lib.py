@@ -77,7 +77,7 @@ def to_flux_config(model_config) -> flux.FluxConfig:
     return flux.FluxConfig.from_dict(model_config.to_dict())
 
 
-EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention_impl")
+EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention")
 
 
 def execution_fields(model_config) -> dict:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from g2rpo_jax.models import flux
+from g2rpo_jax.models import flops, flux
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "tpu_aot.py")
@@ -46,17 +46,17 @@ def test_flop_model_matches_xla_without_loops(layers, singles, heads, image, tex
     args = dict(img=s(1, image, 16), img_ids=s(image, 3), txt=s(1, text, 128), txt_ids=s(text, 3),
                 timesteps=s(1), y=s(1, 64), guidance=s(1))
     compiled = jax.jit(lambda p, a: nnx.merge(graphdef, p)(**a)).lower(params, args).compile()
-    ratio = compiled.cost_analysis()["flops"] / tpu_aot().flux_forward_flops(cfg, image, text)
+    ratio = compiled.cost_analysis()["flops"] / flops.flux_forward_flops(cfg, image, text)
     assert 1.0 <= ratio < 1.03, ratio
 
 
 def test_flux_dev_forward_flops():
     """FLUX.1-dev at 720×720 with a 512-token prompt: 57 blocks × (12·D² per token + 2·S²·D)
     multiply-adds ≈ 37 TFLOP per sample."""
-    flops = tpu_aot().flux_forward_flops(flux.FluxConfig(), 2025, 512)
+    count = flops.flux_forward_flops(flux.FluxConfig(), 2025, 512)
     d, s = 3072, 2537
-    assert flops == pytest.approx(2 * 57 * (12 * d * d * s + 2 * s * s * d), rel=0.01)
-    assert 3.7e13 < flops < 3.8e13
+    assert count == pytest.approx(2 * 57 * (12 * d * d * s + 2 * s * s * d), rel=0.01)
+    assert 3.7e13 < count < 3.8e13
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ class AutoencoderConfig:
     # Execution (not architecture): activations' dtype, parameters' dtype, attention kernel.
     dtype: str = "float32"
     param_dtype: str = "float32"
-    attention_impl: str = "xla"
+    attention: str = "xla"
 
     def __post_init__(self):
         widths = tuple(int(c) for c in self.block_out_channels)
@@ -82,8 +82,8 @@ class AutoencoderConfig:
         if self.act_fn not in ("silu", "swish"):
             raise ValueError(f"act_fn {self.act_fn!r} is not supported; FLUX's and SD's VAEs use "
                              "'silu'.")
-        if self.attention_impl not in IMPLEMENTATIONS:
-            raise ValueError(f"Unknown attention_impl {self.attention_impl!r}; use one of "
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"Unknown attention {self.attention!r}; use one of "
                              f"{IMPLEMENTATIONS}.")
         execution.to_dtype(self.dtype), execution.to_dtype(self.param_dtype)
 
@@ -207,13 +207,13 @@ class AttentionBlock(nnx.Module):
         self.to_k = _linear(channels, cfg, rngs)
         self.to_v = _linear(channels, cfg, rngs)
         self.to_out = _linear(channels, cfg, rngs)
-        self.attention_impl = cfg.attention_impl
+        self.attention = cfg.attention
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, h, w, c = x.shape
         tokens = self.group_norm(x).reshape(b, h * w, 1, c)       # [B, S, heads=1, C]
         q, k, v = self.to_q(tokens), self.to_k(tokens), self.to_v(tokens)
-        out = dot_product_attention(q, k, v, self.attention_impl)
+        out = dot_product_attention(q, k, v, self.attention)
         return x + self.to_out(out.reshape(b, h, w, c))
 
 

@@ -122,7 +122,8 @@ class CLIPConfig:
       dtype, param_dtype: activations' and parameters' dtypes. LayerNorm and softmax statistics
         are computed in float32 either way.
       scan_layers: run the blocks with lax.scan (fast compiles) or unrolled.
-      attention_impl: "xla" or "cudnn" (see models.attention).
+      attention: the attention kernel, models.attention.IMPLEMENTATIONS ("splash" takes no
+        mask: the text tower needs "xla", "cudnn" or "auto").
     """
 
     text: TextConfig | None = dataclasses.field(default_factory=TextConfig)
@@ -132,7 +133,7 @@ class CLIPConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     scan_layers: bool = True
-    attention_impl: str = "xla"
+    attention: str = "xla"
 
     def __post_init__(self):
         if self.text is None and self.vision is None:
@@ -279,7 +280,7 @@ class Attention(nnx.Module):
         self.v = _linear(d, d, ("embed", "heads"), cfg, rngs)
         self.out = _linear(d, d, ("heads", "embed"), cfg, rngs)
         self.heads = shape.heads
-        self.impl = cfg.attention_impl
+        self.impl = cfg.attention
 
     def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
         """x [B, S, D], mask [1, 1, S, S] bool (True = attend) or None → [B, S, D]."""

@@ -415,7 +415,7 @@ def from_pretrained(path: str | os.PathLike, config: clip.CLIPConfig | str | Map
         tensors (and logit_scale) are ignored in the file.
       dtype: activations' dtype ("bfloat16", ...); parameters stay `param_dtype` (float32).
       mesh, rules: assemble each parameter directly into its NamedSharding on this mesh.
-      **overrides: CLIPConfig fields (param_dtype, scan_layers, attention_impl, ...).
+      **overrides: CLIPConfig fields (param_dtype, scan_layers, attention, ...).
 
     Raises:
       FileNotFoundError: nothing loadable at path.

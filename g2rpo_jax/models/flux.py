@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from g2rpo_jax.models import attention as attention_lib
 from g2rpo_jax.models import execution
 from g2rpo_jax.models.attention import dot_product_attention
 from g2rpo_jax.parallel import sharding as sharding_lib
@@ -45,12 +46,15 @@ class FluxConfig:
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
     mlp_ratio: float = 4.0
     rope_theta: float = 10000.0
-    # Execution (not architecture): activations' dtype, master weights' dtype, layer loop.
+    # Execution (not architecture): activations' dtype, master weights' dtype, layer loop,
+    # attention kernel.
     dtype: str = "float32"
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "none"
-    attention_impl: str = "xla"
+    # models.attention: "auto" (the platform's fused kernel: splash on TPU, cuDNN on GPU in
+    # bf16 / fp16, else XLA), "xla", "cudnn" or "splash".
+    attention: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
@@ -60,6 +64,9 @@ class FluxConfig:
         if any(a % 2 for a in self.axes_dims_rope):
             raise ValueError(f"Every RoPE axis dim must be even, got {self.axes_dims_rope}.")
         execution.check_remat_policy(self.remat_policy)
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(f"Unknown attention {self.attention!r}; use one of "
+                             f"{attention_lib.IMPLEMENTATIONS}.")
         execution.to_dtype(self.dtype), execution.to_dtype(self.param_dtype)
 
     @property
@@ -232,9 +239,14 @@ class QKVProjection(nnx.Module):
         return (self.norm_q(heads(self.q(x))), self.norm_k(heads(self.k(x))), heads(self.v(x)))
 
 
-def _attend(q, k, v, cos, sin, implementation):
-    """RoPE on q, k, then attention; [B, S, H, D] in, [B, S, H·D] out."""
-    out = dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, implementation)
+def _attend(q, k, v, cos, sin, implementation, rules):
+    """RoPE on q, k, then attention; [B, S, H, D] in, [B, S, H·D] out. The activations' layout
+    (batch over data / fsdp, heads over tensor) goes with them for kernels that run per shard."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = None if mesh.empty else sharding_lib.logical_to_spec(
+        ("batch", "length", "act_heads", None), rules, q.shape, mesh)
+    out = dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
+                                implementation, spec=spec)
     return out.reshape(*out.shape[:2], -1)
 
 
@@ -251,7 +263,7 @@ class DoubleStreamBlock(nnx.Module):
         self.txt_out = _linear(d, d, ("heads", "embed"), cfg, rngs)
         self.img_mlp = MLP(cfg, rngs)
         self.txt_mlp = MLP(cfg, rngs)
-        self.attention_impl = cfg.attention_impl
+        self.attention = cfg.attention
 
     def __call__(self, img, txt, vec, cos, sin, rules):
         """img [B, N, D], txt [B, T, D], vec [B, D], cos/sin [B, T+N, D_head/2]."""
@@ -261,7 +273,7 @@ class DoubleStreamBlock(nnx.Module):
         txt_q, txt_k, txt_v = self.txt_attn(modulate(txt, txt_shift1, txt_scale1), rules)
         joint = [jnp.concatenate(pair, axis=1)
                  for pair in ((txt_q, img_q), (txt_k, img_k), (txt_v, img_v))]
-        attn = _attend(*joint, cos, sin, self.attention_impl)
+        attn = _attend(*joint, cos, sin, self.attention, rules)
         txt_len = txt.shape[1]
         img = img + img_gate1 * self.img_out(attn[:, txt_len:])
         img = img + img_gate2 * self.img_mlp(modulate(img, img_shift2, img_scale2))
@@ -282,13 +294,13 @@ class SingleStreamBlock(nnx.Module):
         # tensor parallelism split each input along its own axis.
         self.out_attn = _linear(d, d, ("heads", "embed"), cfg, rngs)
         self.out_mlp = _linear(m, d, ("mlp", "embed"), cfg, rngs, use_bias=False)
-        self.attention_impl = cfg.attention_impl
+        self.attention = cfg.attention
 
     def __call__(self, x, vec, cos, sin, rules):
         """x [B, T+N, D], vec [B, D]."""
         shift, scale, gate = self.mod(vec)
         x_mod = modulate(x, shift, scale)
-        attn = _attend(*self.attn(x_mod, rules), cos, sin, self.attention_impl)
+        attn = _attend(*self.attn(x_mod, rules), cos, sin, self.attention, rules)
         mlp = jax.nn.gelu(self.mlp_in(x_mod), approximate=True)
         return x + gate * (self.out_attn(attn) + self.out_mlp(mlp))
 
