@@ -56,13 +56,17 @@ REWARDS = {
 OPTIONS = ("lambda12",)
 
 # ------------------------------------------------------------------------------------------
-# Memory-bound settings, measured with benchmarks/tpu_aot.py (docs/tpu_memory.md).
+# Memory-bound settings, measured with benchmarks/tpu_aot.py (docs/tpu_memory.md) with the
+# model's default attention ("auto": the splash flash kernel on TPU, which keeps the
+# [S, S] attention logits out of HBM).
 # Continuation lanes run side by side in one model call of prompts × lanes × G samples; every
 # lane count makes the same number of model calls (the plan packs the (k, λ) finishes), so the
-# bound only trades call size for scan length. Peak HBM per chip of the rollout on 8 chips
-# (2 prompts per chip): Λ = {1,2,3} with 3 lanes 74 GiB; Λ = {1,2} or {1} with 2 lanes 82-83 GiB
-# (XLA keeps more live there), with 1 lane 52 GiB. Other Λ: 1 lane.
-MAX_LANES = {(1, 2, 3): 3, (1, 2): 1, (1,): 1}
+# bound only trades call size for scan length: the most lanes the plan can pack (Λ = {1,2,3}:
+# 1 or 3; {1,2} and {1}: 1, 2 or 4) whose rollout peak per chip stays within ~90% of a v5p's
+# 95 GiB on 8 chips (2 prompts per chip). Measured peaks: Λ = {1,2,3} with 3 lanes (72 samples
+# per chip) 42.0 GiB; Λ = {1,2} with 4 lanes (96 per chip) 47.4 GiB; {1} with 4 lanes LANES_1.
+# (XLA's attention needed 74.3, 83.3 with 2 lanes and 82.4 with 2 lanes.) Other Λ: 1 lane.
+MAX_LANES = {(1, 2, 3): 3, (1, 2): 4, (1,): 4}
 FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mesh.fsdp)
 # Prompts per gradient micro-batch (0 = all at once). G²RPO's update scores one anchor per
 # prompt and k (16 samples per call); the trajectory baselines score every member
@@ -124,9 +128,10 @@ def get_config(argument: str = "g2rpo,hps"):
     # The RL job; --config.mode=describe: parameters and shardings, no weights needed.
     config.mode = "train"
 
-    # The transformer: FLUX.1-dev, bf16 compute, fp32 master weights, rematerialised blocks.
+    # The transformer: FLUX.1-dev, bf16 compute, fp32 master weights, rematerialised blocks,
+    # the platform's fused attention (splash on TPU; the memory bounds above assume it).
     config.model = config_lib.flux_model_config(dtype="bfloat16", param_dtype="float32",
-                                                remat_policy="full")
+                                                remat_policy="full", attention="auto")
     config.algorithm = algorithm_config(algorithm, options)
     config.sampling.num_steps = NUM_STEPS
     config.sampling.shift = SHIFT
