@@ -64,8 +64,9 @@ OPTIONS = ("lambda12",)
 # bound only trades call size for scan length: the most lanes the plan can pack (Λ = {1,2,3}:
 # 1 or 3; {1,2} and {1}: 1, 2 or 4) whose rollout peak per chip stays within ~90% of a v5p's
 # 95 GiB on 8 chips (2 prompts per chip). Measured peaks: Λ = {1,2,3} with 3 lanes (72 samples
-# per chip) 42.0 GiB; Λ = {1,2} with 4 lanes (96 per chip) 47.4 GiB; {1} with 4 lanes LANES_1.
-# (XLA's attention needed 74.3, 83.3 with 2 lanes and 82.4 with 2 lanes.) Other Λ: 1 lane.
+# per chip) 42.0 GiB; Λ = {1,2} with 4 lanes (96 per chip) 47.4 GiB; {1} with 4 lanes 46.3 GiB
+# (with attention="xla": 74.3 GiB with 3 lanes; {1,2} and {1} 83.3 and 82.4 already with 2
+# lanes, so 1 there). Other Λ: 1 lane.
 MAX_LANES = {(1, 2, 3): 3, (1, 2): 4, (1,): 4}
 FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mesh.fsdp)
 # Prompts per gradient micro-batch (0 = all at once). G²RPO's update scores one anchor per
