@@ -438,8 +438,9 @@ def compile_piece(job: Job, name: str) -> dict:
                 resident_gib=resident / GIB, peak_gib=(total + resident) / GIB,
                 xla_flops_one_pass=float(cost.get("flops", 0.0)),
                 xla_optimal_seconds_one_pass=float(cost.get("optimal_seconds", 0.0)),
+                # Program totals only (libtpu adds per-operand "utilization3{}"-style entries).
                 xla_cost_analysis={k: float(v) for k, v in cost.items()
-                                   if isinstance(v, int | float)},
+                                   if isinstance(v, int | float) and "{" not in k},
                 # The autoencoder has no loops (and replicated weights: no windowed einsums), so
                 # XLA's count is the whole program's.
                 model_flops_per_chip=float(cost.get("flops", 0.0)) if model_flops is None
