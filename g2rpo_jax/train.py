@@ -45,8 +45,21 @@ def _fresh_loop_state() -> dict:
     `loop` item)."""
     return {"iteration": 0, "data": None, "base": None, "latest": {}, "final": None,
             "metrics_rows": 0, "elapsed_seconds": 0.0, "iteration_seconds": [],
-            "session_starts": [],
+            "session_starts": [], "phase_seconds": [], "compile_seconds": {},
+            "other_seconds": {},
             "skipped_steps": 0, "consecutive_skips": 0}
+
+
+def _sum_seconds(*parts: dict) -> dict:
+    out = {}
+    for part in parts:
+        for name, seconds in part.items():
+            out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
+def _add_seconds(totals: dict, seconds: dict) -> None:
+    totals.update(_sum_seconds(totals, seconds))
 
 
 def _count_skips(loop: dict, skipped) -> None:
@@ -73,6 +86,8 @@ def train(config, workdir: str, mesh, rules) -> dict:
 
 def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack) -> dict:
     settings = config.train
+    timer = metrics_lib.PhaseTimer()
+    cleanup.callback(timer.close)
     task = tasks.build(config, mesh, rules)
     algo = Algorithm.from_config(config.algorithm)
     sigmas = held_out.sigmas_from_config(config)
@@ -95,6 +110,10 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                 f"train.num_iterations={settings.num_iterations}: raise num_iterations to "
                 "extend it, or evaluate its checkpoint (python -m g2rpo_jax.evaluate).")
         task.restore_data_state(loop["data"])
+        # A checkpoint written before the loop timed its phases: those iterations have none.
+        loop.setdefault("phase_seconds", [{} for _ in loop["iteration_seconds"]])
+        loop.setdefault("compile_seconds", {})
+        loop.setdefault("other_seconds", {})
         logging.info("Resuming %s from iteration %d (%s).", workdir, start_iteration,
                      run.step_dir(start_iteration))
     sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
@@ -138,8 +157,15 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         # This process's first iteration compiles: kept out of the per-iteration median.
         loop["session_starts"].append(len(loop["iteration_seconds"]))
     if loop["base"] is None:
-        loop["base"] = loop["latest"] = evaluate(0, "base")
+        with timer.phase("evaluation"):
+            loop["base"] = loop["latest"] = evaluate(0, "base")
         logging.info("Base held-out scores: %s", loop["base"])
+    # Building the task, restoring and the base evaluation: this session's setup.
+    setup = timer.lap()
+    _add_seconds(loop["other_seconds"], {"setup": setup["time/iteration_s"],
+                                         "setup_compile": setup["time/compile_s"],
+                                         "base_evaluation": setup["time/evaluation_s"]})
+    compiled_before = dict(loop["compile_seconds"])   # earlier sessions' compile seconds
     num_iterations = settings.num_iterations
     compiled_update = None
     # The held-out score the progress bar shows (the task's first).
@@ -150,20 +176,31 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     bar = tqdm.tqdm(range(loop["iteration"], num_iterations), initial=loop["iteration"],
                     total=num_iterations, desc=f"train {config.algorithm.name}",
                     dynamic_ncols=True, disable=jax.process_index() != 0)
+    # Each row's time/* columns cover the wall time since the previous row's (the loop's start
+    # for the first): the iteration's phases, and the previous iteration's checkpoint save.
+    # The waits at the ends of the rollout and the advantages are where the host needs the
+    # result next anyway (the reward decodes the finals; the update's dispatch is all that
+    # waits on the advantages), so they cost the loop nothing but attribute device time to the
+    # phase that ran it.
     for it in bar:
         tick = time.perf_counter()
-        batch = task.next_batch()
+        with timer.phase("data"):
+            batch = task.next_batch()
         cond = batch.cond
-        with jax.set_mesh(mesh):
+        with timer.phase("rollout"), jax.set_mesh(mesh):
             finals, transitions = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
+            jax.block_until_ready(finals)
         # Outside the global mesh: a task may decode and score on each process's own devices.
-        scores = task.rewards(finals, batch)
-        with jax.set_mesh(mesh):
+        with timer.phase("reward"):
+            scores = task.rewards(finals, batch)
+        with timer.phase("advantages"), jax.set_mesh(mesh):
             train_batch, stats = finish_fn(parallel.replicated(scores, mesh), transitions)
+            jax.block_until_ready(train_batch)
+        with timer.phase("update"), jax.set_mesh(mesh):
             if compiled_update is None:
                 compiled_update = policy_update.jit_update(update_fn, state, train_batch, cond)
             state, metrics = compiled_update(state, train_batch, cond)
-        summary = policy_update.summarize(metrics)
+            summary = policy_update.summarize(metrics)   # on the host: waits for the update
         _count_skips(loop, metrics["skipped"])
         reward_mean = np.asarray(stats["reward_mean"])
         row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
@@ -185,7 +222,12 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                 "algorithm.advantage_clip (train.max_consecutive_skips sets the limit).")
         if settings.eval_every and (it + 1) % settings.eval_every == 0 \
                 and it + 1 < num_iterations:
-            loop["latest"] = evaluate(it + 1)
+            with timer.phase("evaluation"):
+                loop["latest"] = evaluate(it + 1)
+        times = timer.lap()
+        loop["phase_seconds"].append(times)
+        loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
+        row.update(times)
         logger.write(it + 1, row)
         bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
                          "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
@@ -204,14 +246,24 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         timed = settings.checkpoint_every_seconds and preemption.agree(
             time.monotonic() - last_save >= settings.checkpoint_every_seconds)
         if periodic or timed:
-            save(it + 1)
+            with timer.phase("checkpoint"):
+                save(it + 1)
             last_save = time.monotonic()
     bar.close()
     watcher.close()   # a SIGTERM from here on ends the process as usual
+    timer.lap()
     if loop["final"] is None:
-        loop["final"] = evaluate(num_iterations, "final")
+        with timer.phase("evaluation"):
+            loop["final"] = evaluate(num_iterations, "final")
     if num_iterations not in run.steps():
-        save(num_iterations, wait=True)
+        with timer.phase("checkpoint"):
+            save(num_iterations, wait=True)
+    # After the last save: the summary has these, the checkpoint does not.
+    final = timer.lap()
+    _add_seconds(loop["other_seconds"], {"final_evaluation": final["time/evaluation_s"],
+                                         "final_checkpoint": final["time/checkpoint_s"],
+                                         "final_compile": final["time/compile_s"]})
+    loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
     return _finish(config, workdir, run, task, graphdef, state, loop, reward_names)
 
 
@@ -226,7 +278,8 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
               "first_iteration_seconds": seconds[0] if seconds else 0.0,
               "skipped_steps": loop["skipped_steps"],
               "algorithm": config.algorithm.name, "seed": config.seed,
-              "checkpoint": run.step_dir(iterations)}
+              "checkpoint": run.step_dir(iterations),
+              "timing": _timing(loop)}
     if jax.process_index() == 0:
         task.save(workdir, nnx.merge(graphdef, state.params),
                   {k: report[k] for k in ("base", "final", "iterations", "algorithm", "seed")})
@@ -240,6 +293,34 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
         storage.write_json(os.path.join(workdir, "summary.json"), report)
         print_summary(report)
     return report
+
+
+def _timing(loop: dict) -> dict:
+    """summary.json's "timing": where the wall time went, on process 0's clock (each process
+    times its own loop; process 0 writes). `phases`: per phase (metrics_lib.PHASES, plus
+    `compile` and the whole `iteration`) the total over the run's iterations, the first
+    iteration's, and the median over the later iterations in which it ran (the first of each
+    session compiles). `compile_s`: seconds in JAX's tracing, lowering and XLA compilation
+    (persistent-cache hits included) on the loop's thread, all of the run;
+    `compile_by_phase_s`: the part of it inside each phase, base and final evaluation
+    included. `setup_s`: before the first iteration of each session (building the task,
+    restoring, the base evaluation)."""
+    other = loop["other_seconds"]
+    rows = loop["phase_seconds"]
+    phases = metrics_lib.phase_summary(rows, skip=loop["session_starts"])
+    return {
+        # What the timer covered: setup, every iteration, the final evaluation and save.
+        "wall_s": other.get("setup", 0.0) + phases["iteration"]["total_s"]
+        + other.get("final_evaluation", 0.0) + other.get("final_checkpoint", 0.0),
+        "setup_s": other.get("setup", 0.0),
+        "base_evaluation_s": other.get("base_evaluation", 0.0),
+        "final_evaluation_s": other.get("final_evaluation", 0.0),
+        "final_checkpoint_s": other.get("final_checkpoint", 0.0),
+        "compile_s": other.get("setup_compile", 0.0) + other.get("final_compile", 0.0)
+        + sum(row.get("time/compile_s", 0.0) for row in rows),
+        "compile_by_phase_s": dict(loop["compile_seconds"]),
+        "phases": phases,
+    }
 
 
 def print_summary(report: dict) -> None:
