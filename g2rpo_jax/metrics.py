@@ -131,8 +131,10 @@ class PhaseTimer:
 
     `with timer.phase(name):` adds the block's wall time to `name` for the current window;
     `lap()` closes the window (started by the previous `lap()`), returns its row
-    {"time/<phase>_s", "time/compile_s", "time/iteration_s"} and starts the next. Compile time
-    comes from jax.monitoring's compile events on the calling thread; phases do not nest.
+    {"time/<phase>_s", "time/compile_s", "time/compile_background_s", "time/iteration_s"} and
+    starts the next. Compile time comes from jax.monitoring's compile events: those on the
+    thread that made the timer (the loop's, inside its phases) and those on other threads
+    (compiled ahead in the background, overlapping the phases); phases do not nest.
     """
 
     def __init__(self, phases: Sequence[str] = PHASES):
@@ -140,6 +142,7 @@ class PhaseTimer:
         self._thread = threading.get_ident()
         self._lock = threading.Lock()
         self._spans: list[tuple[float, float]] = []   # this window's compile spans (time.time)
+        self._background: list[tuple[float, float]] = []   # ... on other threads
         self._current: str | None = None
         self._compile_by_phase = dict.fromkeys(self.phases, 0.0)
         self._seconds = dict.fromkeys(self.phases, 0.0)
@@ -147,9 +150,10 @@ class PhaseTimer:
         jax.monitoring.register_event_time_span_listener(self._on_span)
 
     def _on_span(self, event: str, start: float, end: float, **_) -> None:
-        if event in _COMPILE_EVENTS and threading.get_ident() == self._thread:
+        if event in _COMPILE_EVENTS:
             with self._lock:
-                self._spans.append((start, end))
+                spans = self._spans if threading.get_ident() == self._thread else self._background
+                spans.append((start, end))
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -174,8 +178,10 @@ class PhaseTimer:
         now = time.perf_counter()
         with self._lock:
             compile_s, self._spans = _union_seconds(self._spans), []
+            background_s, self._background = _union_seconds(self._background), []
         row = {f"time/{name}_s": seconds for name, seconds in self._seconds.items()}
         row["time/compile_s"] = compile_s
+        row["time/compile_background_s"] = background_s
         row["time/iteration_s"] = now - self._window_start
         self._seconds = dict.fromkeys(self.phases, 0.0)
         self._window_start = now
@@ -196,7 +202,7 @@ def phase_summary(rows: Sequence[Mapping[str, float]], skip: Sequence[int] = (),
     iteration's, and the median over the other iterations (those not in `skip`: each session's
     first, which compiles) in which the phase ran."""
     out = {}
-    for name in (*phases, "compile", "iteration"):
+    for name in (*phases, "compile", "compile_background", "iteration"):
         values = [float(row.get(f"time/{name}_s", 0.0)) for row in rows]
         steady = [v for i, v in enumerate(values) if i not in skip and v > 0]
         out[name] = {"total_s": float(sum(values)), "first_s": values[0] if values else 0.0,

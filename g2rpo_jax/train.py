@@ -21,13 +21,16 @@ Outputs in DIR:
   summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s}
 """
 
+import concurrent.futures
 import contextlib
 import os
+import threading
 import time
 
 from absl import logging
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -60,6 +63,70 @@ def _sum_seconds(*parts: dict) -> dict:
 
 def _add_seconds(totals: dict, seconds: dict) -> None:
     totals.update(_sum_seconds(totals, seconds))
+
+
+def _abstract(tree):
+    """Shapes, dtypes and shardings of a program's outputs, as arguments to lower another."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
+                                                       weak_type=a.weak_type), tree)
+
+
+class _CompileAhead:
+    """Compiles the loop's three programs (sample, finish, update) on a background thread for
+    the arguments of the session's first iteration, while the loop's thread does the setup and
+    the base evaluation; otherwise the first iteration compiles them one after the other on the
+    critical path.
+
+    `jitted.lower(...).compile()` fills the cache the jitted call itself looks up (the same
+    lowering gives the same executable), so the loop calls its usual functions and finds them
+    compiled: the results are those of compiling in the loop. finish and update are lowered
+    from the previous program's output shapes and shardings, before any rollout has run. The
+    thread only traces and compiles (nothing runs on a device, so nothing can interleave with
+    the loop's collectives). If it fails, the loop compiles as it would have (a warning).
+    """
+
+    STAGES = ("sample", "finish", "update")
+
+    def __init__(self, sample_fn, finish_fn, update_fn, state, cond, key, iteration: int,
+                 mesh, num_rewards: int):
+        self._futures = {name: concurrent.futures.Future() for name in self.STAGES}
+        self._thread = threading.Thread(
+            target=self._run, name="compile-ahead", daemon=True,
+            args=(sample_fn, finish_fn, update_fn, state, cond, key, iteration, mesh,
+                  num_rewards))
+        self._thread.start()
+
+    def _run(self, sample_fn, finish_fn, update_fn, state, cond, key, iteration, mesh,
+             num_rewards):
+        try:
+            with jax.set_mesh(mesh):
+                sample = sample_fn.lower(state.params, cond, key, iteration).compile()
+                self._futures["sample"].set_result(None)
+                finals, transitions = sample.out_info
+                scores = jax.ShapeDtypeStruct(   # task.rewards, placed by parallel.replicated
+                    (num_rewards, *finals.shape[:2]), jnp.float32,
+                    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                finish = finish_fn.lower(scores, _abstract(transitions)).compile()
+                self._futures["finish"].set_result(None)
+                batch = _abstract(finish.out_info[0])
+                update = policy_update.jit_update(update_fn, state, batch, cond)
+                update.lower(state, batch, cond).compile()
+                self._futures["update"].set_result(update)
+        except Exception as e:  # noqa: BLE001 -- the loop compiles instead
+            logging.warning("Compiling the loop's programs ahead failed (%s: %s); the first "
+                            "iteration compiles them.", type(e).__name__, e)
+        finally:
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_result(None)
+
+    def wait(self, stage: str):
+        """Blocks until `stage` is compiled; the update's jitted function for "update" (None if
+        compiling ahead failed)."""
+        return self._futures[stage].result()
+
+    def close(self) -> None:
+        self._thread.join()
 
 
 def _count_skips(loop: dict, skipped) -> None:
@@ -152,10 +219,20 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                     elapsed_seconds=logger.elapsed)
         return run.save(iteration, state, key, loop, config, wait=wait)
 
-    if loop["iteration"] < settings.num_iterations:
+    num_iterations = settings.num_iterations
+    first_batch = ahead = None
+    if loop["iteration"] < num_iterations:
         loop["final"] = None   # an extended run evaluates again at its new end
         # This process's first iteration compiles: kept out of the per-iteration median.
         loop["session_starts"].append(len(loop["iteration_seconds"]))
+        # The first iteration's batch, fetched now so that its programs compile during the
+        # base evaluation.
+        with timer.phase("data"):
+            first_batch = task.next_batch()
+        ahead = _CompileAhead(sample_fn, finish_fn, update_fn, state, first_batch.cond,
+                              jax.random.fold_in(key, loop["iteration"]), loop["iteration"],
+                              mesh, len(reward_names))
+        cleanup.callback(ahead.close)
     if loop["base"] is None:
         with timer.phase("evaluation"):
             loop["base"] = loop["latest"] = evaluate(0, "base")
@@ -164,9 +241,10 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     setup = timer.lap()
     _add_seconds(loop["other_seconds"], {"setup": setup["time/iteration_s"],
                                          "setup_compile": setup["time/compile_s"],
+                                         "setup_compile_background":
+                                             setup["time/compile_background_s"],
                                          "base_evaluation": setup["time/evaluation_s"]})
     compiled_before = dict(loop["compile_seconds"])   # earlier sessions' compile seconds
-    num_iterations = settings.num_iterations
     compiled_update = None
     # The held-out score the progress bar shows (the task's first).
     progress_score = task.score_names[0] if task.score_names else None
@@ -185,20 +263,26 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     for it in bar:
         tick = time.perf_counter()
         with timer.phase("data"):
-            batch = task.next_batch()
+            batch, first_batch = first_batch or task.next_batch(), None
         cond = batch.cond
         with timer.phase("rollout"), jax.set_mesh(mesh):
+            if ahead:
+                ahead.wait("sample")
             finals, transitions = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
             jax.block_until_ready(finals)
         # Outside the global mesh: a task may decode and score on each process's own devices.
         with timer.phase("reward"):
             scores = task.rewards(finals, batch)
         with timer.phase("advantages"), jax.set_mesh(mesh):
+            if ahead:
+                ahead.wait("finish")
             train_batch, stats = finish_fn(parallel.replicated(scores, mesh), transitions)
             jax.block_until_ready(train_batch)
         with timer.phase("update"), jax.set_mesh(mesh):
             if compiled_update is None:
-                compiled_update = policy_update.jit_update(update_fn, state, train_batch, cond)
+                compiled_update = (ahead and ahead.wait("update")) or policy_update.jit_update(
+                    update_fn, state, train_batch, cond)
+                ahead = None
             state, metrics = compiled_update(state, train_batch, cond)
             summary = policy_update.summarize(metrics)   # on the host: waits for the update
         _count_skips(loop, metrics["skipped"])
@@ -262,7 +346,9 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     final = timer.lap()
     _add_seconds(loop["other_seconds"], {"final_evaluation": final["time/evaluation_s"],
                                          "final_checkpoint": final["time/checkpoint_s"],
-                                         "final_compile": final["time/compile_s"]})
+                                         "final_compile": final["time/compile_s"],
+                                         "final_compile_background":
+                                             final["time/compile_background_s"]})
     loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
     return _finish(config, workdir, run, task, graphdef, state, loop, reward_names)
 
@@ -298,13 +384,14 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
 def _timing(loop: dict) -> dict:
     """summary.json's "timing": where the wall time went, on process 0's clock (each process
     times its own loop; process 0 writes). `phases`: per phase (metrics_lib.PHASES, plus
-    `compile` and the whole `iteration`) the total over the run's iterations, the first
-    iteration's, and the median over the later iterations in which it ran (the first of each
-    session compiles). `compile_s`: seconds in JAX's tracing, lowering and XLA compilation
-    (persistent-cache hits included) on the loop's thread, all of the run;
+    `compile`, `compile_background` and the whole `iteration`) the total over the run's
+    iterations, the first iteration's, and the median over the later iterations in which it
+    ran (the first of each session compiles). `compile_s`: seconds in JAX's tracing, lowering
+    and XLA compilation (persistent-cache hits included) on the loop's thread, all of the run;
     `compile_by_phase_s`: the part of it inside each phase, base and final evaluation
-    included. `setup_s`: before the first iteration of each session (building the task,
-    restoring, the base evaluation)."""
+    included; `compile_background_s`: compiling on other threads (the programs compiled
+    ahead), overlapping the rest. `setup_s`: before the first iteration of each session
+    (building the task, restoring, the base evaluation)."""
     other = loop["other_seconds"]
     rows = loop["phase_seconds"]
     phases = metrics_lib.phase_summary(rows, skip=loop["session_starts"])
@@ -317,7 +404,9 @@ def _timing(loop: dict) -> dict:
         "final_evaluation_s": other.get("final_evaluation", 0.0),
         "final_checkpoint_s": other.get("final_checkpoint", 0.0),
         "compile_s": other.get("setup_compile", 0.0) + other.get("final_compile", 0.0)
-        + sum(row.get("time/compile_s", 0.0) for row in rows),
+        + phases["compile"]["total_s"],
+        "compile_background_s": other.get("setup_compile_background", 0.0)
+        + other.get("final_compile_background", 0.0) + phases["compile_background"]["total_s"],
         "compile_by_phase_s": dict(loop["compile_seconds"]),
         "phases": phases,
     }
