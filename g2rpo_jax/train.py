@@ -420,4 +420,13 @@ def print_summary(report: dict) -> None:
     lines.append(f"{report['algorithm']}, seed {report['seed']}: {report['iterations']} "
                  f"iterations in {report['seconds']:.0f} s "
                  f"({report['seconds_per_iteration']:.1f} s per iteration after the first)")
+    timing = report.get("timing")
+    if timing:
+        phases = timing["phases"]
+        lines.append("seconds: setup {:.0f} (base evaluation {:.0f}), ".format(
+            timing["setup_s"], timing["base_evaluation_s"]) + ", ".join(
+            f"{name} {phases[name]['total_s']:.0f}" for name in metrics_lib.PHASES) +
+            ", final evaluation + save {:.0f}; compiling {:.0f} in the loop's thread, "
+            "{:.0f} ahead".format(timing["final_evaluation_s"] + timing["final_checkpoint_s"],
+                                  timing["compile_s"], timing["compile_background_s"]))
     print("\n".join(lines), flush=True)
