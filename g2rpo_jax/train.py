@@ -65,6 +65,10 @@ def _add_seconds(totals: dict, seconds: dict) -> None:
     totals.update(_sum_seconds(totals, seconds))
 
 
+def _shardings(tree) -> list:
+    return [leaf.sharding for leaf in jax.tree.leaves(tree)]
+
+
 def _abstract(tree):
     """Shapes, dtypes and shardings of a program's outputs, as arguments to lower another."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
@@ -111,7 +115,7 @@ class _CompileAhead:
                 batch = _abstract(finish.out_info[0])
                 update = policy_update.jit_update(update_fn, state, batch, cond)
                 update.lower(state, batch, cond).compile()
-                self._futures["update"].set_result(update)
+                self._futures["update"].set_result((update, _shardings(batch)))
         except Exception as e:  # noqa: BLE001 -- the loop compiles instead
             logging.warning("Compiling the loop's programs ahead failed (%s: %s); the first "
                             "iteration compiles them.", type(e).__name__, e)
@@ -120,10 +124,23 @@ class _CompileAhead:
                 if not future.done():
                     future.set_result(None)
 
-    def wait(self, stage: str):
-        """Blocks until `stage` is compiled; the update's jitted function for "update" (None if
-        compiling ahead failed)."""
-        return self._futures[stage].result()
+    def wait(self, stage: str) -> None:
+        """Blocks until `stage` ("sample" or "finish") is compiled (or compiling failed)."""
+        self._futures[stage].result()
+
+    def update_for(self, train_batch):
+        """The update's jitted function, compiled for batches laid out like `train_batch`; None
+        if compiling ahead failed or the real batch is laid out otherwise (its shardings are
+        the update's in_shardings, so a batch placed differently would be refused)."""
+        compiled = self._futures["update"].result()
+        if compiled is None:
+            return None
+        update, shardings = compiled
+        if _shardings(train_batch) != shardings:
+            logging.warning("The rollout's batch is not laid out as compiled ahead; the update "
+                            "compiles again.")
+            return None
+        return update
 
     def close(self) -> None:
         self._thread.join()
@@ -280,8 +297,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
             jax.block_until_ready(train_batch)
         with timer.phase("update"), jax.set_mesh(mesh):
             if compiled_update is None:
-                compiled_update = (ahead and ahead.wait("update")) or policy_update.jit_update(
-                    update_fn, state, train_batch, cond)
+                compiled_update = (ahead and ahead.update_for(train_batch)) or \
+                    policy_update.jit_update(update_fn, state, train_batch, cond)
                 ahead = None
             state, metrics = compiled_update(state, train_batch, cond)
             summary = policy_update.summarize(metrics)   # on the host: waits for the update
