@@ -13,12 +13,14 @@ at the next iteration boundary and exits 0. A step with a non-finite loss or gra
 applied (counted as train/skipped_steps); train.max_consecutive_skips in a row stop the run.
 
 Outputs in DIR:
-  metrics.jsonl, tensorboard/     per-iteration training scalars and periodic eval/* scores
+  metrics.jsonl, tensorboard/     per-iteration training scalars (train/*; time/*: seconds per
+                                  phase, metrics_lib.PhaseTimer) and periodic eval/* scores
   images/base.png, images/final.png   held-out samples (same prompts, same noise) before/after
   reward_curves.png               training reward, held-out scores, policy-ratio statistics
   checkpoints/<iteration>/        the run's state (train.checkpoint_every, ..._seconds, the end)
   generator.safetensors           shapes task: the fine-tuned generator (loadable as a base)
-  summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s}
+  summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s,
+                                   "timing": {...} (where the time went: `_timing`)}
 """
 
 import concurrent.futures
