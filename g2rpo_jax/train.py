@@ -44,6 +44,12 @@ from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import policy_update
 from g2rpo_jax.rl.algorithms import Algorithm
 
+# Compile the loop's programs ahead (`_CompileAhead`) on a CPU backend too. Off: there the base
+# evaluation already runs on the same cores, and on the 2-core development machine compiling
+# beside it saved no wall time and cost 4-15 s more CPU time (docs/results.md, "Where the time
+# goes"). With an accelerator the host's cores are free while it evaluates.
+COMPILE_AHEAD_ON_CPU = False
+
 
 def _fresh_loop_state() -> dict:
     """What the loop carries between iterations besides the train state (the checkpoint's
@@ -244,6 +250,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         loop["final"] = None   # an extended run evaluates again at its new end
         # This process's first iteration compiles: kept out of the per-iteration median.
         loop["session_starts"].append(len(loop["iteration_seconds"]))
+    if loop["iteration"] < num_iterations and (
+            COMPILE_AHEAD_ON_CPU or mesh.devices.flat[0].platform != "cpu"):
         # The first iteration's batch, fetched now so that its programs compile during the
         # base evaluation.
         with timer.phase("data"):

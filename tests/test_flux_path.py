@@ -105,8 +105,10 @@ def run(fixture_root, prepared, mesh, tmp_path_factory):
     config.train.eval_every = 0
     workdir = str(tmp_path_factory.mktemp("train"))
     start = time.perf_counter()
-    report = train.train(config, workdir, mesh, parallel.rules_from_config(
-        config.sharding_rules))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "COMPILE_AHEAD_ON_CPU", True)   # the accelerators' path
+        report = train.train(config, workdir, mesh, parallel.rules_from_config(
+            config.sharding_rules))
     print(f"train: {time.perf_counter() - start:.1f} s in all; tiny end-to-end G²RPO iteration "
           f"(8 prompts × {config.algorithm.group_size} × k ∈ {config.algorithm.branch_steps} × "
           f"Λ = {config.algorithm.granularities}, {config.sampling.num_steps} steps): first "

@@ -56,8 +56,10 @@ def g2rpo_run(tmp_path_factory, data_dir, mesh):
     workdir = tmp_path_factory.mktemp("g2rpo")
     jax.monitoring.register_event_duration_secs_listener(_record_compile)
     try:
-        report = train.train(config, str(workdir), mesh, parallel.rules_from_config(
-            config.sharding_rules))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train, "COMPILE_AHEAD_ON_CPU", True)   # the accelerators' path
+            report = train.train(config, str(workdir), mesh, parallel.rules_from_config(
+                config.sharding_rules))
     finally:
         jax.monitoring.unregister_event_duration_listener(_record_compile)
     return config, workdir, report
