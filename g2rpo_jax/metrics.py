@@ -12,12 +12,14 @@ every row written. tensorboardX's own gs:// writer is not used: it would be a se
 """
 
 from collections.abc import Mapping, Sequence
+import contextlib
 import json
 import logging
 import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 
 import jax
@@ -100,6 +102,112 @@ class MetricsLogger:
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
                 self._staging = None
+
+
+# The RL loop's phases, in order (g2rpo_jax/train.py). Every training row has every one.
+PHASES = ("data", "rollout", "reward", "advantages", "update", "evaluation", "checkpoint")
+# JAX's compile events (jax.monitoring time spans): tracing to a jaxpr, lowering to MLIR, and
+# the XLA compilation, which includes a persistent-cache lookup.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+def _union_seconds(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: a jit traced inside another's tracing
+    reports a span inside the outer one, counted once."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class PhaseTimer:
+    """Wall seconds of each phase of an iteration, and the seconds JAX spent compiling (tracing,
+    lowering, XLA) inside them: this process's clock only (on several processes each has its
+    own; process 0's are the ones written).
+
+    `with timer.phase(name):` adds the block's wall time to `name` for the current window;
+    `lap()` closes the window (started by the previous `lap()`), returns its row
+    {"time/<phase>_s", "time/compile_s", "time/compile_background_s", "time/iteration_s"} and
+    starts the next. Compile time comes from jax.monitoring's compile events: those on the
+    thread that made the timer (the loop's, inside its phases) and those on other threads
+    (compiled ahead in the background, overlapping the phases); phases do not nest.
+    """
+
+    def __init__(self, phases: Sequence[str] = PHASES):
+        self.phases = tuple(phases)
+        self._thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._spans: list[tuple[float, float]] = []   # this window's compile spans (time.time)
+        self._background: list[tuple[float, float]] = []   # ... on other threads
+        self._current: str | None = None
+        self._compile_by_phase = dict.fromkeys(self.phases, 0.0)
+        self._seconds = dict.fromkeys(self.phases, 0.0)
+        self._window_start = time.perf_counter()
+        jax.monitoring.register_event_time_span_listener(self._on_span)
+
+    def _on_span(self, event: str, start: float, end: float, **_) -> None:
+        if event in _COMPILE_EVENTS:
+            with self._lock:
+                spans = self._spans if threading.get_ident() == self._thread else self._background
+                spans.append((start, end))
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if name not in self._seconds:
+            raise ValueError(f"Unknown phase {name!r}; known: {self.phases}.")
+        if self._current is not None:
+            raise RuntimeError(f"Phase {name!r} started inside {self._current!r}.")
+        self._current = name
+        with self._lock:
+            first_span = len(self._spans)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - start
+            with self._lock:
+                self._compile_by_phase[name] += _union_seconds(self._spans[first_span:])
+            self._current = None
+
+    def lap(self) -> dict[str, float]:
+        """This window's row, and a new window."""
+        now = time.perf_counter()
+        with self._lock:
+            compile_s, self._spans = _union_seconds(self._spans), []
+            background_s, self._background = _union_seconds(self._background), []
+        row = {f"time/{name}_s": seconds for name, seconds in self._seconds.items()}
+        row["time/compile_s"] = compile_s
+        row["time/compile_background_s"] = background_s
+        row["time/iteration_s"] = now - self._window_start
+        self._seconds = dict.fromkeys(self.phases, 0.0)
+        self._window_start = now
+        return row
+
+    def compile_by_phase(self) -> dict[str, float]:
+        """Compile seconds inside each phase since this timer started."""
+        return dict(self._compile_by_phase)
+
+    def close(self) -> None:
+        with contextlib.suppress(AssertionError):   # already unregistered
+            jax.monitoring.unregister_event_time_span_listener(self._on_span)
+
+
+def phase_summary(rows: Sequence[Mapping[str, float]], skip: Sequence[int] = (),
+                  phases: Sequence[str] = PHASES) -> dict[str, dict[str, float]]:
+    """Per phase over the iterations' `PhaseTimer.lap()` rows: total seconds, the first
+    iteration's, and the median over the other iterations (those not in `skip`: each session's
+    first, which compiles) in which the phase ran."""
+    out = {}
+    for name in (*phases, "compile", "compile_background", "iteration"):
+        values = [float(row.get(f"time/{name}_s", 0.0)) for row in rows]
+        steady = [v for i, v in enumerate(values) if i not in skip and v > 0]
+        out[name] = {"total_s": float(sum(values)), "first_s": values[0] if values else 0.0,
+                     "median_s": float(np.median(steady)) if steady else 0.0}
+    return out
 
 
 def truncate_jsonl(path: str, rows: int) -> int:

@@ -13,21 +13,26 @@ at the next iteration boundary and exits 0. A step with a non-finite loss or gra
 applied (counted as train/skipped_steps); train.max_consecutive_skips in a row stop the run.
 
 Outputs in DIR:
-  metrics.jsonl, tensorboard/     per-iteration training scalars and periodic eval/* scores
+  metrics.jsonl, tensorboard/     per-iteration training scalars (train/*; time/*: seconds per
+                                  phase, metrics_lib.PhaseTimer) and periodic eval/* scores
   images/base.png, images/final.png   held-out samples (same prompts, same noise) before/after
   reward_curves.png               training reward, held-out scores, policy-ratio statistics
   checkpoints/<iteration>/        the run's state (train.checkpoint_every, ..._seconds, the end)
   generator.safetensors           shapes task: the fine-tuned generator (loadable as a base)
-  summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s}
+  summary.json                    {"base": {...}, "final": {...}, "iterations": n, "seconds": s,
+                                   "timing": {...} (where the time went: `_timing`)}
 """
 
+import concurrent.futures
 import contextlib
 import os
+import threading
 import time
 
 from absl import logging
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -39,14 +44,114 @@ from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import policy_update
 from g2rpo_jax.rl.algorithms import Algorithm
 
+# Compile the loop's programs ahead (`_CompileAhead`) on a CPU backend too. Off: there the base
+# evaluation already runs on the same cores, and on the 2-core development machine compiling
+# beside it saved no wall time and cost 4-15 s more CPU time (docs/results.md, "Where the time
+# goes"). With an accelerator the host's cores are free while it evaluates.
+COMPILE_AHEAD_ON_CPU = False
+
 
 def _fresh_loop_state() -> dict:
     """What the loop carries between iterations besides the train state (the checkpoint's
     `loop` item)."""
     return {"iteration": 0, "data": None, "base": None, "latest": {}, "final": None,
             "metrics_rows": 0, "elapsed_seconds": 0.0, "iteration_seconds": [],
-            "session_starts": [],
+            "session_starts": [], "phase_seconds": [], "compile_seconds": {},
+            "other_seconds": {},
             "skipped_steps": 0, "consecutive_skips": 0}
+
+
+def _sum_seconds(*parts: dict) -> dict:
+    out = {}
+    for part in parts:
+        for name, seconds in part.items():
+            out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
+def _add_seconds(totals: dict, seconds: dict) -> None:
+    totals.update(_sum_seconds(totals, seconds))
+
+
+def _shardings(tree) -> list:
+    return [leaf.sharding for leaf in jax.tree.leaves(tree)]
+
+
+def _abstract(tree):
+    """Shapes, dtypes and shardings of a program's outputs, as arguments to lower another."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
+                                                       weak_type=a.weak_type), tree)
+
+
+class _CompileAhead:
+    """Compiles the loop's three programs (sample, finish, update) on a background thread for
+    the arguments of the session's first iteration, while the loop's thread does the setup and
+    the base evaluation; otherwise the first iteration compiles them one after the other on the
+    critical path.
+
+    `jitted.lower(...).compile()` fills the cache the jitted call itself looks up (the same
+    lowering gives the same executable), so the loop calls its usual functions and finds them
+    compiled: the results are those of compiling in the loop. finish and update are lowered
+    from the previous program's output shapes and shardings, before any rollout has run. The
+    thread only traces and compiles (nothing runs on a device, so nothing can interleave with
+    the loop's collectives). If it fails, the loop compiles as it would have (a warning).
+    """
+
+    STAGES = ("sample", "finish", "update")
+
+    def __init__(self, sample_fn, finish_fn, update_fn, state, cond, key, iteration: int,
+                 mesh, num_rewards: int):
+        self._futures = {name: concurrent.futures.Future() for name in self.STAGES}
+        self._thread = threading.Thread(
+            target=self._run, name="compile-ahead", daemon=True,
+            args=(sample_fn, finish_fn, update_fn, state, cond, key, iteration, mesh,
+                  num_rewards))
+        self._thread.start()
+
+    def _run(self, sample_fn, finish_fn, update_fn, state, cond, key, iteration, mesh,
+             num_rewards):
+        try:
+            with jax.set_mesh(mesh):
+                sample = sample_fn.lower(state.params, cond, key, iteration).compile()
+                self._futures["sample"].set_result(None)
+                finals, transitions = sample.out_info
+                scores = jax.ShapeDtypeStruct(   # task.rewards, placed by parallel.replicated
+                    (num_rewards, *finals.shape[:2]), jnp.float32,
+                    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                finish = finish_fn.lower(scores, _abstract(transitions)).compile()
+                self._futures["finish"].set_result(None)
+                batch = _abstract(finish.out_info[0])
+                update = policy_update.jit_update(update_fn, state, batch, cond)
+                update.lower(state, batch, cond).compile()
+                self._futures["update"].set_result((update, _shardings(batch)))
+        except Exception as e:  # noqa: BLE001 -- the loop compiles instead
+            logging.warning("Compiling the loop's programs ahead failed (%s: %s); the first "
+                            "iteration compiles them.", type(e).__name__, e)
+        finally:
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_result(None)
+
+    def wait(self, stage: str) -> None:
+        """Blocks until `stage` ("sample" or "finish") is compiled (or compiling failed)."""
+        self._futures[stage].result()
+
+    def update_for(self, train_batch):
+        """The update's jitted function, compiled for batches laid out like `train_batch`; None
+        if compiling ahead failed or the real batch is laid out otherwise (its shardings are
+        the update's in_shardings, so a batch placed differently would be refused)."""
+        compiled = self._futures["update"].result()
+        if compiled is None:
+            return None
+        update, shardings = compiled
+        if _shardings(train_batch) != shardings:
+            logging.warning("The rollout's batch is not laid out as compiled ahead; the update "
+                            "compiles again.")
+            return None
+        return update
+
+    def close(self) -> None:
+        self._thread.join()
 
 
 def _count_skips(loop: dict, skipped) -> None:
@@ -73,6 +178,8 @@ def train(config, workdir: str, mesh, rules) -> dict:
 
 def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack) -> dict:
     settings = config.train
+    timer = metrics_lib.PhaseTimer()
+    cleanup.callback(timer.close)
     task = tasks.build(config, mesh, rules)
     algo = Algorithm.from_config(config.algorithm)
     sigmas = held_out.sigmas_from_config(config)
@@ -95,6 +202,10 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                 f"train.num_iterations={settings.num_iterations}: raise num_iterations to "
                 "extend it, or evaluate its checkpoint (python -m g2rpo_jax.evaluate).")
         task.restore_data_state(loop["data"])
+        # A checkpoint written before the loop timed its phases: those iterations have none.
+        loop.setdefault("phase_seconds", [{} for _ in loop["iteration_seconds"]])
+        loop.setdefault("compile_seconds", {})
+        loop.setdefault("other_seconds", {})
         logging.info("Resuming %s from iteration %d (%s).", workdir, start_iteration,
                      run.step_dir(start_iteration))
     sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
@@ -133,14 +244,34 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                     elapsed_seconds=logger.elapsed)
         return run.save(iteration, state, key, loop, config, wait=wait)
 
-    if loop["iteration"] < settings.num_iterations:
+    num_iterations = settings.num_iterations
+    first_batch = ahead = None
+    if loop["iteration"] < num_iterations:
         loop["final"] = None   # an extended run evaluates again at its new end
         # This process's first iteration compiles: kept out of the per-iteration median.
         loop["session_starts"].append(len(loop["iteration_seconds"]))
+    if loop["iteration"] < num_iterations and (
+            COMPILE_AHEAD_ON_CPU or mesh.devices.flat[0].platform != "cpu"):
+        # The first iteration's batch, fetched now so that its programs compile during the
+        # base evaluation.
+        with timer.phase("data"):
+            first_batch = task.next_batch()
+        ahead = _CompileAhead(sample_fn, finish_fn, update_fn, state, first_batch.cond,
+                              jax.random.fold_in(key, loop["iteration"]), loop["iteration"],
+                              mesh, len(reward_names))
+        cleanup.callback(ahead.close)
     if loop["base"] is None:
-        loop["base"] = loop["latest"] = evaluate(0, "base")
+        with timer.phase("evaluation"):
+            loop["base"] = loop["latest"] = evaluate(0, "base")
         logging.info("Base held-out scores: %s", loop["base"])
-    num_iterations = settings.num_iterations
+    # Building the task, restoring and the base evaluation: this session's setup.
+    setup = timer.lap()
+    _add_seconds(loop["other_seconds"], {"setup": setup["time/iteration_s"],
+                                         "setup_compile": setup["time/compile_s"],
+                                         "setup_compile_background":
+                                             setup["time/compile_background_s"],
+                                         "base_evaluation": setup["time/evaluation_s"]})
+    compiled_before = dict(loop["compile_seconds"])   # earlier sessions' compile seconds
     compiled_update = None
     # The held-out score the progress bar shows (the task's first).
     progress_score = task.score_names[0] if task.score_names else None
@@ -150,20 +281,37 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     bar = tqdm.tqdm(range(loop["iteration"], num_iterations), initial=loop["iteration"],
                     total=num_iterations, desc=f"train {config.algorithm.name}",
                     dynamic_ncols=True, disable=jax.process_index() != 0)
+    # Each row's time/* columns cover the wall time since the previous row's (the loop's start
+    # for the first): the iteration's phases, and the previous iteration's checkpoint save.
+    # The waits at the ends of the rollout and the advantages are where the host needs the
+    # result next anyway (the reward decodes the finals; the update's dispatch is all that
+    # waits on the advantages), so they cost the loop nothing but attribute device time to the
+    # phase that ran it.
     for it in bar:
         tick = time.perf_counter()
-        batch = task.next_batch()
+        with timer.phase("data"):
+            batch, first_batch = first_batch or task.next_batch(), None
         cond = batch.cond
-        with jax.set_mesh(mesh):
+        with timer.phase("rollout"), jax.set_mesh(mesh):
+            if ahead:
+                ahead.wait("sample")
             finals, transitions = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
+            jax.block_until_ready(finals)
         # Outside the global mesh: a task may decode and score on each process's own devices.
-        scores = task.rewards(finals, batch)
-        with jax.set_mesh(mesh):
+        with timer.phase("reward"):
+            scores = task.rewards(finals, batch)
+        with timer.phase("advantages"), jax.set_mesh(mesh):
+            if ahead:
+                ahead.wait("finish")
             train_batch, stats = finish_fn(parallel.replicated(scores, mesh), transitions)
+            jax.block_until_ready(train_batch)
+        with timer.phase("update"), jax.set_mesh(mesh):
             if compiled_update is None:
-                compiled_update = policy_update.jit_update(update_fn, state, train_batch, cond)
+                compiled_update = (ahead and ahead.update_for(train_batch)) or \
+                    policy_update.jit_update(update_fn, state, train_batch, cond)
+                ahead = None
             state, metrics = compiled_update(state, train_batch, cond)
-        summary = policy_update.summarize(metrics)
+            summary = policy_update.summarize(metrics)   # on the host: waits for the update
         _count_skips(loop, metrics["skipped"])
         reward_mean = np.asarray(stats["reward_mean"])
         row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
@@ -185,7 +333,12 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                 "algorithm.advantage_clip (train.max_consecutive_skips sets the limit).")
         if settings.eval_every and (it + 1) % settings.eval_every == 0 \
                 and it + 1 < num_iterations:
-            loop["latest"] = evaluate(it + 1)
+            with timer.phase("evaluation"):
+                loop["latest"] = evaluate(it + 1)
+        times = timer.lap()
+        loop["phase_seconds"].append(times)
+        loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
+        row.update(times)
         logger.write(it + 1, row)
         bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
                          "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
@@ -204,14 +357,26 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         timed = settings.checkpoint_every_seconds and preemption.agree(
             time.monotonic() - last_save >= settings.checkpoint_every_seconds)
         if periodic or timed:
-            save(it + 1)
+            with timer.phase("checkpoint"):
+                save(it + 1)
             last_save = time.monotonic()
     bar.close()
     watcher.close()   # a SIGTERM from here on ends the process as usual
+    timer.lap()
     if loop["final"] is None:
-        loop["final"] = evaluate(num_iterations, "final")
+        with timer.phase("evaluation"):
+            loop["final"] = evaluate(num_iterations, "final")
     if num_iterations not in run.steps():
-        save(num_iterations, wait=True)
+        with timer.phase("checkpoint"):
+            save(num_iterations, wait=True)
+    # After the last save: the summary has these, the checkpoint does not.
+    final = timer.lap()
+    _add_seconds(loop["other_seconds"], {"final_evaluation": final["time/evaluation_s"],
+                                         "final_checkpoint": final["time/checkpoint_s"],
+                                         "final_compile": final["time/compile_s"],
+                                         "final_compile_background":
+                                             final["time/compile_background_s"]})
+    loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
     return _finish(config, workdir, run, task, graphdef, state, loop, reward_names)
 
 
@@ -226,7 +391,8 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
               "first_iteration_seconds": seconds[0] if seconds else 0.0,
               "skipped_steps": loop["skipped_steps"],
               "algorithm": config.algorithm.name, "seed": config.seed,
-              "checkpoint": run.step_dir(iterations)}
+              "checkpoint": run.step_dir(iterations),
+              "timing": _timing(loop)}
     if jax.process_index() == 0:
         task.save(workdir, nnx.merge(graphdef, state.params),
                   {k: report[k] for k in ("base", "final", "iterations", "algorithm", "seed")})
@@ -242,6 +408,37 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
     return report
 
 
+def _timing(loop: dict) -> dict:
+    """summary.json's "timing": where the wall time went, on process 0's clock (each process
+    times its own loop; process 0 writes). `phases`: per phase (metrics_lib.PHASES, plus
+    `compile`, `compile_background` and the whole `iteration`) the total over the run's
+    iterations, the first iteration's, and the median over the later iterations in which it
+    ran (the first of each session compiles). `compile_s`: seconds in JAX's tracing, lowering
+    and XLA compilation (persistent-cache hits included) on the loop's thread, all of the run;
+    `compile_by_phase_s`: the part of it inside each phase, base and final evaluation
+    included; `compile_background_s`: compiling on other threads (the programs compiled
+    ahead), overlapping the rest. `setup_s`: before the first iteration of each session
+    (building the task, restoring, the base evaluation)."""
+    other = loop["other_seconds"]
+    rows = loop["phase_seconds"]
+    phases = metrics_lib.phase_summary(rows, skip=loop["session_starts"])
+    return {
+        # What the timer covered: setup, every iteration, the final evaluation and save.
+        "wall_s": other.get("setup", 0.0) + phases["iteration"]["total_s"]
+        + other.get("final_evaluation", 0.0) + other.get("final_checkpoint", 0.0),
+        "setup_s": other.get("setup", 0.0),
+        "base_evaluation_s": other.get("base_evaluation", 0.0),
+        "final_evaluation_s": other.get("final_evaluation", 0.0),
+        "final_checkpoint_s": other.get("final_checkpoint", 0.0),
+        "compile_s": other.get("setup_compile", 0.0) + other.get("final_compile", 0.0)
+        + phases["compile"]["total_s"],
+        "compile_background_s": other.get("setup_compile_background", 0.0)
+        + other.get("final_compile_background", 0.0) + phases["compile_background"]["total_s"],
+        "compile_by_phase_s": dict(loop["compile_seconds"]),
+        "phases": phases,
+    }
+
+
 def print_summary(report: dict) -> None:
     lines = [f"{'score':<16}{'base':>10}{'final':>10}{'change':>10}"]
     for name in report["base"]:
@@ -250,4 +447,13 @@ def print_summary(report: dict) -> None:
     lines.append(f"{report['algorithm']}, seed {report['seed']}: {report['iterations']} "
                  f"iterations in {report['seconds']:.0f} s "
                  f"({report['seconds_per_iteration']:.1f} s per iteration after the first)")
+    timing = report.get("timing")
+    if timing:
+        phases = timing["phases"]
+        lines.append("seconds: setup {:.0f} (base evaluation {:.0f}), ".format(
+            timing["setup_s"], timing["base_evaluation_s"]) + ", ".join(
+            f"{name} {phases[name]['total_s']:.0f}" for name in metrics_lib.PHASES) +
+            ", final evaluation + save {:.0f}; compiling {:.0f} in the loop's thread, "
+            "{:.0f} ahead".format(timing["final_evaluation_s"] + timing["final_checkpoint_s"],
+                                  timing["compile_s"], timing["compile_background_s"]))
     print("\n".join(lines), flush=True)

@@ -13,8 +13,13 @@ import time
 from g2rpo_jax import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Columns of metrics.jsonl that measure wall time, not the computation.
+# Columns of metrics.jsonl that measure wall time, not the computation (and every time/*
+# column: the per-phase seconds).
 TIMING_COLUMNS = ("time", "train/seconds")
+
+
+def is_timing(column: str) -> bool:
+    return column in TIMING_COLUMNS or column.startswith("time/")
 
 
 def environment(devices: int = 2) -> dict:
@@ -106,7 +111,7 @@ def kill(process: subprocess.Popen, sig=signal.SIGKILL) -> int:
 
 def computed_rows(workdir) -> list[dict]:
     """metrics.jsonl without its wall-time columns."""
-    return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS}
+    return [{k: v for k, v in row.items() if not is_timing(k)}
             for row in metrics_rows(workdir)]
 
 

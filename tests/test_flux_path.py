@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, evaluate, parallel, preprocess, train
+from g2rpo_jax import config_lib, evaluate, metrics, parallel, preprocess, train
 from g2rpo_jax.data import embedding_dataset
 from g2rpo_jax.models import clip_text, flux_weights, t5
 from g2rpo_jax.testing import flux_fixture, flux_reference
@@ -105,8 +105,10 @@ def run(fixture_root, prepared, mesh, tmp_path_factory):
     config.train.eval_every = 0
     workdir = str(tmp_path_factory.mktemp("train"))
     start = time.perf_counter()
-    report = train.train(config, workdir, mesh, parallel.rules_from_config(
-        config.sharding_rules))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "COMPILE_AHEAD_ON_CPU", True)   # the accelerators' path
+        report = train.train(config, workdir, mesh, parallel.rules_from_config(
+            config.sharding_rules))
     print(f"train: {time.perf_counter() - start:.1f} s in all; tiny end-to-end G²RPO iteration "
           f"(8 prompts × {config.algorithm.group_size} × k ∈ {config.algorithm.branch_steps} × "
           f"Λ = {config.algorithm.granularities}, {config.sampling.num_steps} steps): first "
@@ -135,6 +137,12 @@ def test_one_iteration_end_to_end(run, mesh):
     assert max(moved) > 0 and all(np.isfinite(moved))
     for name in ("images/base.png", "images/final.png", "reward_curves.png", "summary.json"):
         assert os.path.exists(os.path.join(workdir, name))
+    # The same per-phase timing as the shapes task (tests/test_train.py checks it in detail).
+    for row in train_rows:
+        assert all(row[f"time/{name}_s"] >= 0 for name in metrics.PHASES)
+        assert sum(row[f"time/{name}_s"] for name in metrics.PHASES) <= row["time/iteration_s"]
+    assert report["timing"]["phases"]["rollout"]["total_s"] > 0
+    assert report["timing"]["compile_background_s"] > 0   # the loop's programs, compiled ahead
 
 
 def test_evaluate_reports_every_reward(run, mesh):

@@ -12,6 +12,7 @@ import pytest
 import resume_helpers
 
 from g2rpo_jax import config_lib, generator, held_out, parallel, pretrain, train
+from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.models import state_io
 
 
@@ -40,12 +41,27 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tfds")
 
 
+# The programs XLA compiled during the g2rpo_run fixture, by name, in order.
+XLA_COMPILED = []
+
+
+def _record_compile(event, duration, fun_name="", **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+        XLA_COMPILED.append(fun_name)
+
+
 @pytest.fixture(scope="module")
 def g2rpo_run(tmp_path_factory, data_dir, mesh):
     config = short_rl_config(data_dir)
     workdir = tmp_path_factory.mktemp("g2rpo")
-    report = train.train(config, str(workdir), mesh, parallel.rules_from_config(
-        config.sharding_rules))
+    jax.monitoring.register_event_duration_secs_listener(_record_compile)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(train, "COMPILE_AHEAD_ON_CPU", True)   # the accelerators' path
+            report = train.train(config, str(workdir), mesh, parallel.rules_from_config(
+                config.sharding_rules))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(_record_compile)
     return config, workdir, report
 
 
@@ -70,6 +86,64 @@ def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
             assert image.size[0] > 100 and image.size[1] > 100
     # The final evaluation in the summary is the last eval row.
     assert rows[-1]["eval/in_domain"] == pytest.approx(summary["final"]["in_domain"])
+
+
+def test_phase_timings_in_metrics_and_summary(g2rpo_run):
+    """Every training row times each phase; the phases fit in the row's wall time; the summary
+    totals them (the fixture: 2 iterations, evaluation after the first, no periodic save)."""
+    _, workdir, report = g2rpo_run
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    phases = metrics_lib.PHASES
+    columns = {f"time/{name}_s" for name in (*phases, "compile", "compile_background",
+                                             "iteration")}
+    for row in train_rows:
+        assert columns <= row.keys()
+        assert all(row[c] >= 0 for c in columns)
+        for name in ("data", "rollout", "reward", "advantages", "update"):
+            assert row[f"time/{name}_s"] > 0, name
+        assert sum(row[f"time/{name}_s"] for name in phases) <= row["time/iteration_s"]
+        assert row["time/compile_s"] <= row["time/iteration_s"]
+        # train/seconds times the training part of the same window.
+        assert row["train/seconds"] <= row["time/iteration_s"]
+    first, second = train_rows
+    assert first["time/evaluation_s"] > 0 and second["time/evaluation_s"] == 0
+    assert first["time/checkpoint_s"] == second["time/checkpoint_s"] == 0
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    timing = summary["timing"]
+    assert timing == report["timing"]
+    for name in (*phases, "compile", "compile_background", "iteration"):
+        stats = timing["phases"][name]
+        assert set(stats) == {"total_s", "first_s", "median_s"}
+        values = [r[f"time/{name}_s"] for r in train_rows]
+        assert stats["total_s"] == pytest.approx(sum(values))
+        assert stats["first_s"] == values[0]
+        assert stats["median_s"] == (values[1] if values[1] > 0 else 0.0)
+    assert sum(timing["phases"][n]["total_s"] for n in phases) \
+        <= timing["phases"]["iteration"]["total_s"]
+    for name in ("setup_s", "base_evaluation_s", "final_evaluation_s", "final_checkpoint_s",
+                 "compile_s", "wall_s"):
+        assert timing[name] > 0, name
+    assert timing["base_evaluation_s"] <= timing["setup_s"]
+    assert timing["wall_s"] == pytest.approx(
+        timing["setup_s"] + timing["phases"]["iteration"]["total_s"]
+        + timing["final_evaluation_s"] + timing["final_checkpoint_s"])
+    assert timing["compile_s"] <= timing["wall_s"]
+    by_phase = timing["compile_by_phase_s"]
+    assert by_phase["evaluation"] > 0   # the base evaluation compiles its sampler
+    # Setup (the first batch, the base evaluation) and the end (the final evaluation and save)
+    # are timed outside the iterations.
+    outside = timing["setup_s"] + timing["final_evaluation_s"] + timing["final_checkpoint_s"]
+    for name in phases:
+        assert by_phase[name] <= timing["phases"][name]["total_s"] + outside, name
+    assert sum(by_phase.values()) <= timing["compile_s"] + 1e-6
+    # The rollout's and the update's programs compile ahead, on another thread: once each,
+    # and the loop's own calls find them compiled.
+    assert timing["compile_background_s"] > 0
+    assert XLA_COMPILED.count("jit(singular_sample)") == 1
+    assert XLA_COMPILED.count("jit(singular_finish)") == 1
+    assert XLA_COMPILED.count("jit(update)") == 1
 
 
 def test_checkpoint_and_generator_file_hold_the_trained_params(g2rpo_run, mesh):

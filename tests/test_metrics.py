@@ -1,0 +1,50 @@
+"""The loop's phase timer: wall time per phase, compile time from JAX's compile events."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from g2rpo_jax import metrics
+
+
+def test_union_counts_nested_spans_once():
+    assert metrics._union_seconds([]) == 0.0
+    assert metrics._union_seconds([(0.0, 4.0), (1.0, 2.0), (3.0, 6.0), (8.0, 9.0)]) == 7.0
+
+
+def test_phase_timer_rows_phases_and_compile_time():
+    timer = metrics.PhaseTimer()
+    try:
+        timer.lap()
+        with timer.phase("rollout"):
+            jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).block_until_ready()
+        with timer.phase("update"):
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="inside"), timer.phase("data"), \
+                timer.phase("reward"):
+            pass
+        with pytest.raises(ValueError, match="Unknown phase"), timer.phase("nap"):
+            pass
+        row = timer.lap()
+        assert set(row) == {f"time/{n}_s" for n in (*metrics.PHASES, "compile", "compile_background",
+                                                  "iteration")}
+        assert row["time/update_s"] >= 0.01 and row["time/rollout_s"] > 0
+        assert 0 < row["time/compile_s"] <= row["time/rollout_s"]
+        assert sum(row[f"time/{n}_s"] for n in metrics.PHASES) <= row["time/iteration_s"]
+        assert timer.compile_by_phase()["rollout"] == pytest.approx(row["time/compile_s"])
+        assert timer.compile_by_phase()["update"] == 0.0
+        assert timer.lap()["time/rollout_s"] == 0.0   # a new window
+    finally:
+        timer.close()
+
+
+def test_phase_summary_skips_session_starts_and_idle_phases():
+    rows = [{"time/rollout_s": 5.0, "time/evaluation_s": 0.0},
+            {"time/rollout_s": 1.0, "time/evaluation_s": 2.0},
+            {"time/rollout_s": 3.0, "time/evaluation_s": 0.0}]
+    out = metrics.phase_summary(rows, skip=[0])
+    assert out["rollout"] == {"total_s": 9.0, "first_s": 5.0, "median_s": 2.0}
+    assert out["evaluation"] == {"total_s": 2.0, "first_s": 0.0, "median_s": 2.0}
+    assert out["update"] == {"total_s": 0.0, "first_s": 0.0, "median_s": 0.0}
