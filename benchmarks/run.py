@@ -319,7 +319,7 @@ def worker(engine: str) -> None:
     os.dup2(2, 1)
     if engine.startswith("torch"):
         import torch
-        torch.set_num_threads(THREADS)
+        torch.set_num_threads(int(os.environ.get("G2RPO_RUN_TORCH_THREADS", THREADS)))
     obj = None
     for line in sys.stdin:
         msg = json.loads(line)
@@ -357,8 +357,8 @@ def worker(engine: str) -> None:
 
 
 class Worker:
-    def __init__(self, engine: str):
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
+    def __init__(self, engine: str, torch_threads: int):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", G2RPO_RUN_TORCH_THREADS=str(torch_threads))
         self.engine = engine
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__),
                                       f"--worker={engine}"], stdin=subprocess.PIPE,
@@ -398,7 +398,7 @@ def compare(name, engines, setups, args, extra_setup=None):
     """Runs a measurement: a worker per engine, set up one after the other, run interleaved."""
     workers, setup_out = [], []
     for engine, setup in zip(engines, setups):
-        w = Worker(engine)
+        w = Worker(engine, args.torch_threads)
         setup_out.append(w.ask(cmd="setup", **setup))
         workers.append(w)
         print(f"  [{name}] {engine} set up in {setup_out[-1]['setup_s']:.1f} s", flush=True)
@@ -417,7 +417,7 @@ def main():
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=("default", "toy"), default="default",
                         help="toy: seconds-long smoke sizes")
-    parser.add_argument("--repeats", type=int, default=0, help="timed runs (0: 5, toy 1)")
+    parser.add_argument("--repeats", type=int, default=0, help="timed runs (0: 3, toy 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs after the compile")
     parser.add_argument("--tiny_prompts", type=int, default=0,
                         help="prompts of the tiny rollout (0: the embedded default's 16)")
@@ -426,6 +426,8 @@ def main():
     parser.add_argument("--medium_group", type=int, default=4)
     parser.add_argument("--medium_branch_steps", default="0,1")
     parser.add_argument("--medium_granularities", default="1,2")
+    parser.add_argument("--torch_threads", type=int, default=THREADS,
+                        help="torch.set_num_threads (default: the cores XLA uses)")
     parser.add_argument("--matmul_size", type=int, default=0, help="0: 2048, toy 256")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "run.json"))
     args = parser.parse_args()
@@ -436,14 +438,15 @@ def main():
     if toy:
         args.medium_prompts, args.medium_steps, args.medium_group = 1, 3, 2
         args.medium_branch_steps, args.medium_granularities = "0", "1,2"
-    args.repeats = args.repeats or (1 if toy else 5)
+    args.repeats = args.repeats or (1 if toy else 3)
     args.warmup = 0 if toy else args.warmup
     matmul_size = args.matmul_size or (256 if toy else 2048)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import flux_flops
 
     tiny, medium = tiny_spec(args), medium_spec(args)
-    print(f"threads: {THREADS} (XLA CPU default; torch.set_num_threads({THREADS})); float32; "
+    print(f"threads: {THREADS} (XLA CPU default); torch.set_num_threads({args.torch_threads}); "
+          "float32; "
           f"repeats {args.repeats} after compile + {args.warmup} warm-up, interleaved")
     for spec in (tiny, medium):
         cfg = flux_config(spec)
@@ -467,7 +470,8 @@ def main():
                                    [dict(spec=medium, batch=batch_path)] * 2, args)
     rows["matmul_peak"] = compare("matmul", ["jax_matmul", "torch_matmul"],
                                   [dict(size=matmul_size)] * 2,
-                                  argparse.Namespace(warmup=1, repeats=max(args.repeats, 7)))
+                                  argparse.Namespace(warmup=1, repeats=max(args.repeats, 7),
+                                                     torch_threads=args.torch_threads))
     os.remove(batch_path)
     os.rmdir(tmp)
 
@@ -510,8 +514,9 @@ def main():
           f"{summary['matmul_peak']['gflops_per_s_torch']:.1f})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(size=args.size, threads=THREADS, repeats=args.repeats,
-                       warmup=args.warmup, tiny=tiny, medium=medium, matmul_size=matmul_size,
+        json.dump(dict(size=args.size, threads=THREADS, torch_threads=args.torch_threads,
+                       repeats=args.repeats, warmup=args.warmup, tiny=tiny, medium=medium,
+                       matmul_size=matmul_size,
                        measurements=summary, rollout_speedup_vs_reference_loop=x,
                        rollout_speedup_vs_torch_batched=y, train_speedup_vs_torch=z,
                        cpu_peak_fraction=w), f, indent=1)
