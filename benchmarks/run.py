@@ -1,7 +1,7 @@
 r"""Our G²RPO rollout and train step against PyTorch on diffusers' FluxTransformer2DModel, and
 how close our train step comes to this CPU's matmul peak.
 
-  python benchmarks/run.py                 # the default run (about 10 minutes on 2 cores)
+  python benchmarks/run.py                 # the default run (about 13 minutes on 2 cores)
   python benchmarks/run.py --size=toy      # seconds-long smoke sizes (the test runs this)
 
 Measurements (settings printed at the start; README "benchmarks/run.py" explains them):
