@@ -442,7 +442,7 @@ def main():
     args.warmup = 0 if toy else args.warmup
     matmul_size = args.matmul_size or (256 if toy else 2048)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import flux_flops
+    from g2rpo_jax.models import flops as flops_lib
 
     tiny, medium = tiny_spec(args), medium_spec(args)
     print(f"threads: {THREADS} (XLA CPU default); torch.set_num_threads({args.torch_threads}); "
@@ -476,8 +476,8 @@ def main():
     os.rmdir(tmp)
 
     def fwd(spec):
-        return flux_flops.forward_flops(flux_config(spec), spec["image_side"] ** 2,
-                                        spec["text_tokens"])
+        return flops_lib.flux_forward_flops(flux_config(spec), spec["image_side"] ** 2,
+                                            spec["text_tokens"])
     n_train = len(medium["branch_steps"]) * medium["prompts"]
     flops = {
         "tiny_rollout": (fwd(tiny) * rollout_samples(tiny, True),
@@ -509,7 +509,7 @@ def main():
     z = summary["medium_train"]["speedup"]
     w = summary["medium_train"]["gflops_per_s_ours"] / peak
     print(f"medium train step: {flops['medium_train'][0] / 1e9:.1f} GFLOP counted from the "
-          f"shapes (benchmarks/flux_flops.py), {summary['medium_train']['gflops_per_s_ours']:.1f}"
+          f"shapes (g2rpo_jax/models/flops.py), {summary['medium_train']['gflops_per_s_ours']:.1f}"
           f" GFLOP/s = {w:.2f} of the JAX matmul peak {peak:.1f} GFLOP/s (torch's: "
           f"{summary['matmul_peak']['gflops_per_s_torch']:.1f})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

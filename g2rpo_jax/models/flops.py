@@ -23,17 +23,19 @@ def flux_forward_flops(cfg: FluxConfig, image_tokens: int, text_tokens: int,
     the 4× MLP; single blocks: q, k, v, the MLP's input and the two output halves) and
     attention costs 2·S²·D multiply-adds (S = text + image tokens, the joint sequence). Per
     sample: the adaLN modulation (12·D² per double block, 3·D² per single, 2·D² at the output),
-    the input projections, the output projection and the timestep / guidance / pooled-text
-    embedders.
+    the input projections, the output projection and the timestep / guidance (when the
+    model has it) / pooled-text embedders.
     """
     d, m = cfg.hidden_size, cfg.mlp_hidden_dim
     s = image_tokens + text_tokens
     blocks = cfg.num_layers + cfg.num_single_layers
     tokens = s * blocks * (4 * d * d + 2 * d * m) + blocks * 2 * s * s * d
     modulation = d * d * (12 * cfg.num_layers + 3 * cfg.num_single_layers + 2)
+    # Timestep, optional guidance and pooled-text embedders: an input layer and a d×d layer each.
+    embedders = 3 if cfg.guidance_embeds else 2
     embed = (image_tokens * cfg.in_channels * d + text_tokens * cfg.joint_attention_dim * d
-             + image_tokens * d * cfg.output_channels + (2 * 256 + cfg.pooled_projection_dim) * d
-             + 3 * d * d)
+             + image_tokens * d * cfg.output_channels
+             + ((embedders - 1) * 256 + cfg.pooled_projection_dim) * d + embedders * d * d)
     return 2.0 * batch * (tokens + modulation + embed)
 
 

@@ -1,6 +1,8 @@
 """models.flops against a count written out matmul by matmul for a tiny FLUX (its agreement
 with XLA's own count on larger shapes is in tests/test_tpu_aot.py)."""
 
+import dataclasses
+
 import pytest
 
 from g2rpo_jax.models import flops, flux
@@ -39,6 +41,12 @@ def test_forward_matches_the_hand_count():
     assert _by_hand() == 4824
     assert flops.flux_forward_flops(CFG, IMAGE, TEXT) == 2 * 4824
     assert flops.flux_forward_flops(CFG, IMAGE, TEXT, batch=3) == 3 * 2 * 4824
+
+
+def test_without_guidance_the_guidance_embedder_is_not_counted():
+    no_guidance = dataclasses.replace(CFG, guidance_embeds=False)
+    d = 4
+    assert flops.flux_forward_flops(no_guidance, IMAGE, TEXT) == 2 * (4824 - 256 * d - d * d)
 
 
 def test_train_is_three_forwards():
