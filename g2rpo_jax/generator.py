@@ -84,14 +84,8 @@ def generator_config(config) -> dict:
 
 
 def _parts(gen_config: dict, execution: dict | None = None):
-    fields = dict(gen_config["flux"])
-    # Generator files written before the field was named `attention` (the shipped base among
-    # them) store it as `attention_impl`.
-    if "attention_impl" in fields:
-        fields.setdefault("attention", fields.pop("attention_impl"))
-    fields.update(execution or {})
-    fields["axes_dims_rope"] = tuple(fields["axes_dims_rope"])
-    cfg = flux.FluxConfig(**fields)
+    cfg = flux.FluxConfig.from_dict(gen_config["flux"])
+    cfg = dataclasses.replace(cfg, axes_dims_rope=tuple(cfg.axes_dims_rope), **(execution or {}))
     text = gen_config["text_encoder"]
     if text.get("kind") != "words":
         raise ValueError(f"Unknown text encoder kind {text.get('kind')!r}; this build has "

@@ -86,6 +86,10 @@ class FluxConfig:
         """Builds a config from a mapping (an ml_collections section or a diffusers config.json),
         ignoring keys that are not fields (e.g. diffusers' `_class_name`, `patch_size`)."""
         values = dict(values)
+        # Configs and generator files written before the field was named `attention` (the
+        # shipped base among them) call it `attention_impl`.
+        if "attention_impl" in values:
+            values.setdefault("attention", values.pop("attention_impl"))
         if values.get("patch_size", 1) != 1:
             raise ValueError(f"FLUX patchifies outside the transformer; patch_size must be 1, got "
                              f"{values['patch_size']}.")
