@@ -83,6 +83,19 @@ def generator_config(config) -> dict:
             "image": {"size": config.world.image_size, "patch": config.world.patch}}
 
 
+def architecture_differences(file_config: dict, expected: dict) -> list[str]:
+    """Names of the fields in which two generator configs' architectures differ (execution
+    settings such as the attention kernel or dtype are not architecture)."""
+    def flat(gen_config):
+        fields = {f"flux.{k}": v for k, v in
+                  flux.FluxConfig.from_dict(gen_config["flux"]).architecture().items()}
+        for section in ("text_encoder", "image"):
+            fields.update({f"{section}.{k}": v for k, v in gen_config[section].items()})
+        return fields
+    a, b = flat(file_config), flat(expected)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
 def _parts(gen_config: dict, execution: dict | None = None):
     cfg = flux.FluxConfig.from_dict(gen_config["flux"])
     cfg = dataclasses.replace(cfg, axes_dims_rope=tuple(cfg.axes_dims_rope), **(execution or {}))

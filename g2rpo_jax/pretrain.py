@@ -90,12 +90,13 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     if settings.get("init_checkpoint"):
         # Continue from a generator file (e.g. the shipped base) with a fresh schedule.
         generator = generator_lib.load_generator(settings.init_checkpoint, mesh, rules)
-        expected = generator_lib.generator_config(config)
-        if {k: generator.config.get(k) for k in expected} != expected:
+        differences = generator_lib.architecture_differences(
+            generator.config, generator_lib.generator_config(config))
+        if differences:
             raise ValueError(f"pretrain.init_checkpoint {settings.init_checkpoint} holds a "
-                             "different architecture or vocabulary than this config's model/"
-                             "world sections; start from scratch (init_checkpoint='') or match "
-                             "the config to the file.")
+                             f"different architecture or vocabulary than this config's model/"
+                             f"world sections (differing: {', '.join(differences)}); start from "
+                             "scratch (init_checkpoint='') or match the config to the file.")
     else:
         generator = generator_lib.build_generator(config, mesh, config.seed, rules)
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")

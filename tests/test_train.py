@@ -240,7 +240,8 @@ def test_pretraining_continues_from_a_generator_file(tmp_path, data_dir, mesh):
         want = nnx.to_pure_dict(nnx.state(getattr(base, module), nnx.Param))
         jax.tree.map(np.testing.assert_array_equal, got, want)
     config.model.num_layers = 1
-    with pytest.raises(ValueError, match="init_checkpoint .*different architecture"):
+    with pytest.raises(ValueError, match="init_checkpoint .*different architecture.*differing: "
+                       "flux.num_layers\\)"):
         pretrain.pretrain(config, str(tmp_path / "other"), mesh, rules)
 
 

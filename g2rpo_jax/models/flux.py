@@ -56,6 +56,8 @@ class FluxConfig:
     # bf16 / fp16, else XLA), "xla", "cudnn" or "splash".
     attention: str = "auto"
 
+    EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat_policy", "attention")
+
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
         if sum(self.axes_dims_rope) != self.attention_head_dim:
@@ -68,6 +70,11 @@ class FluxConfig:
             raise ValueError(f"Unknown attention {self.attention!r}; use one of "
                              f"{attention_lib.IMPLEMENTATIONS}.")
         execution.to_dtype(self.dtype), execution.to_dtype(self.param_dtype)
+
+    def architecture(self) -> dict:
+        """The fields that decide the weights' names and shapes (everything but execution)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self.EXECUTION_FIELDS}
 
     @property
     def hidden_size(self) -> int:
