@@ -158,19 +158,6 @@ def abstract_state(abstract_module, mesh, rules):
     return graphdef, params
 
 
-def abstract_opt_state(optimizer, params, mesh):
-    """The optimizer state as ShapeDtypeStructs, AdamW's moments laid out like the params."""
-    import jax
-
-    from g2rpo_jax import parallel
-
-    shapes = jax.eval_shape(optimizer.init, params)
-    shardings = parallel.optimizer_state_shardings(
-        optimizer, shapes, jax.tree.map(lambda a: a.sharding, params), mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        shapes, shardings)
-
-
 def abstract_cond(config, cfg, prompts: int, mesh, rules) -> dict:
     """Per-prompt conditioning: T5 embeddings txt [P, T, 4096], pooled CLIP y [P, 768] (batch
     split), position ids txt_ids [T, 3] and img_ids [N, 3] (replicated)."""
@@ -198,7 +185,8 @@ class Job:
     graphdef: object
     params: object         # abstract nnx.State
     optimizer: object
-    opt_state: object      # abstract, moments laid out like the params
+    state: object          # abstract TrainState (policy_update.abstract_state), host-offloaded
+                           # parts in pinned host memory
     prompts: int
     latent_shape: tuple
 
@@ -214,6 +202,7 @@ def make_job(config, devices) -> Job:
     from g2rpo_jax import config_lib, held_out, parallel
     from g2rpo_jax import optimizer as optimizer_lib
     from g2rpo_jax.models import flux
+    from g2rpo_jax.rl import policy_update
     from g2rpo_jax.rl.algorithms import Algorithm
 
     mesh = parallel.mesh_from_config(config.mesh, devices=devices)
@@ -222,27 +211,31 @@ def make_job(config, devices) -> Job:
     flux.validate_mesh(cfg, mesh)
     graphdef, params = abstract_state(flux.abstract_model(cfg, rules), mesh, rules)
     optimizer = optimizer_lib.make_optimizer(config.optimizer)
-    return Job(config=config, mesh=mesh, rules=rules, cfg=cfg,
-               algo=Algorithm.from_config(config.algorithm),
+    algo = Algorithm.from_config(config.algorithm)
+    state = policy_update.abstract_state(params, optimizer, algo.kl_beta > 0, mesh,
+                                         policy_update.PolicyUpdate.from_config(config))
+    return Job(config=config, mesh=mesh, rules=rules, cfg=cfg, algo=algo,
                sigmas=held_out.sigmas_from_config(config), graphdef=graphdef, params=params,
-               optimizer=optimizer, opt_state=abstract_opt_state(optimizer, params, mesh),
+               optimizer=optimizer, state=state,
                prompts=config.train.prompts_per_iteration,
                latent_shape=(config.describe.image_tokens, cfg.in_channels))
 
 
-def bytes_per_chip(tree) -> int:
-    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs."""
+def bytes_per_chip(tree, memory_kind: str | None = None) -> int:
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (those in `memory_kind`
+    only, if given: "device" or "pinned_host")."""
     import jax
 
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-               for a in jax.tree.leaves(tree))
+               for a in jax.tree.leaves(tree)
+               if memory_kind is None or (a.sharding.memory_kind or "device") == memory_kind)
 
 
-def resident_bytes(job: Job) -> int:
-    """HBM the train state holds while a rollout program runs without it as an argument: the
-    AdamW moments (and the KL reference's copy of the params); the params are an argument."""
-    ref = job.params if job.algo.kl_beta > 0 else None
-    return bytes_per_chip((job.opt_state, ref))
+def resident_bytes(job: Job, memory_kind: str = "device") -> int:
+    """What the train state holds beside a rollout program that does not take it as an argument:
+    the AdamW moments (and the KL reference's copy of the params); the params are an argument.
+    In HBM ("device") unless offloaded to pinned host memory (policy_update.offload_*)."""
+    return bytes_per_chip((job.state.opt_state, job.state.ref_params), memory_kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,15 +327,11 @@ def _abstract_batch(job: Job):
 
 
 def piece_update(job: Job):
-    import jax.numpy as jnp
-
     from g2rpo_jax.rl import policy_update
 
     config = job.config
     optimizer = job.optimizer
-    ref = job.params if job.algo.kl_beta > 0 else None
-    state = policy_update.TrainState(params=job.params, opt_state=job.opt_state,
-                                     ref_params=ref, step=replicated((), jnp.int32, job.mesh))
+    state = job.state
     batch, k, gx = _abstract_batch(job)
     cond = abstract_cond(config, job.cfg, job.prompts, job.mesh, job.rules)
     settings = policy_update.PolicyUpdate.from_config(config)
@@ -429,13 +418,19 @@ def compile_piece(job: Job, name: str) -> dict:
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes)
-    resident = resident_bytes(job) if name in ("forward", "sample") else 0
+    rollout = name in ("forward", "sample")
+    resident = resident_bytes(job) if rollout else 0
     return dict(piece=name, shapes=what, lower_s=lower_s, compile_s=compile_s,
                 argument_gib=mem.argument_size_in_bytes / GIB,
                 output_gib=mem.output_size_in_bytes / GIB,
                 alias_gib=mem.alias_size_in_bytes / GIB, temp_gib=mem.temp_size_in_bytes / GIB,
                 code_mib=mem.generated_code_size_in_bytes / 2**20, total_gib=total / GIB,
                 resident_gib=resident / GIB, peak_gib=(total + resident) / GIB,
+                # Pinned host memory per chip: the offloaded state beside a rollout; a
+                # program's host arguments / outputs (the update's offloaded moments).
+                host_resident_gib=(resident_bytes(job, "pinned_host") if rollout else 0) / GIB,
+                host_argument_gib=mem.host_argument_size_in_bytes / GIB,
+                host_output_gib=mem.host_output_size_in_bytes / GIB,
                 xla_flops_one_pass=float(cost.get("flops", 0.0)),
                 xla_optimal_seconds_one_pass=float(cost.get("optimal_seconds", 0.0)),
                 # Program totals only (libtpu adds per-operand "utilization3{}"-style entries).

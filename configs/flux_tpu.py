@@ -143,6 +143,11 @@ def get_config(argument: str = "g2rpo,hps"):
     config.policy_update.steps_per_update = 1
     config.policy_update.micro_batch_prompts = MICRO_BATCH_PROMPTS[config.algorithm.rollout]
     config.policy_update.recompute_old_log_prob = True
+    # The AdamW moments (and Flow-GRPO's KL reference) wait in pinned host memory while the
+    # rollout runs (11.1 GiB per chip on v5p:2x2x2, +5.6 for the reference), for two host↔HBM
+    # copies per iteration inside the update (docs/tpu_memory.md).
+    config.policy_update.offload_optimizer_state = True
+    config.policy_update.offload_reference = True
     config.train.num_iterations = NUM_ITERATIONS
     config.train.prompts_per_iteration = PROMPTS_PER_ITERATION
     # Spot / preemptible slices: a checkpoint every 10 iterations (and one on SIGTERM); the

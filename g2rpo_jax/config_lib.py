@@ -123,8 +123,11 @@ def base_config() -> ml_collections.ConfigDict:
     # (on-policy). micro_batch_prompts: 0 = all prompts at once. recompute_old_log_prob:
     # re-score the rollout's transitions in the update's layout before the first step, so the
     # first ratio is exactly 1 in bf16 too (tests/rl/test_policy_update.py).
+    # offload_optimizer_state / offload_reference: keep the AdamW moments / the KL reference in
+    # pinned host memory outside the update (rollout memory; docs/tpu_memory.md).
     config.policy_update = ml_collections.ConfigDict(dict(
-        steps_per_update=1, micro_batch_prompts=0, recompute_old_log_prob=True))
+        steps_per_update=1, micro_batch_prompts=0, recompute_old_log_prob=True,
+        offload_optimizer_state=False, offload_reference=False))
 
     # mode=describe: the dummy batch used to time one forward pass.
     config.describe = ml_collections.ConfigDict(dict(

@@ -188,10 +188,12 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     graphdef, params = nnx.split(task.policy)
     optimizer = optimizer_lib.make_optimizer(config.optimizer)
     keep_reference = algo.kl_beta > 0
-    restored = run.restore_latest(
-        policy_update.abstract_state(params, optimizer, keep_reference, mesh), config)
+    update_settings = policy_update.PolicyUpdate.from_config(config)
+    restored = run.restore_latest(policy_update.abstract_state(
+        params, optimizer, keep_reference, mesh, update_settings), config)
     if restored is None:
-        state = policy_update.init_state(params, optimizer, keep_reference, mesh)
+        state = policy_update.init_state(params, optimizer, keep_reference, mesh,
+                                         update_settings)
         key, loop = parallel.replicated(jax.random.key(config.seed), mesh), _fresh_loop_state()
     else:
         start_iteration, state, key, loop = restored
@@ -212,9 +214,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         graphdef, algo, sigmas, task.latent_shape, task.reward_weights,
         guidance=config.sampling.guidance,
         quantize_timesteps=config.sampling.quantize_timesteps))
-    update_fn = policy_update.make_update_fn(graphdef, optimizer, algo,
-                                             policy_update.PolicyUpdate.from_config(config),
-                                             sigmas)
+    update_fn = policy_update.make_update_fn(graphdef, optimizer, algo, update_settings, sigmas)
     resumed = restored is not None
     logger = metrics_lib.MetricsLogger(
         workdir, keep_rows=loop["metrics_rows"],

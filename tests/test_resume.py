@@ -402,11 +402,12 @@ def test_unwritable_workdir_fails_before_any_compute(tmp_path, data_dir, mesh, m
 # ---------------------------------------------------------------------------------------------
 
 
-def _tiny_state(mesh, keep_reference=False):
+def _tiny_state(mesh, keep_reference=False, settings=None):
+    settings = settings or policy_update.PolicyUpdate()
     _, params = nnx.split(flux.init_sharded(tiny_rl.TINY_FLUX, mesh, seed=0))
     optimizer = optimizer_lib.make_optimizer(tiny_rl.ADAMW)
-    return (policy_update.init_state(params, optimizer, keep_reference, mesh),
-            policy_update.abstract_state(params, optimizer, keep_reference, mesh))
+    return (policy_update.init_state(params, optimizer, keep_reference, mesh, settings),
+            policy_update.abstract_state(params, optimizer, keep_reference, mesh, settings))
 
 
 def _config():
@@ -452,9 +453,14 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capl
     run.close()
 
 
-def test_adamw_state_and_kl_reference_round_trip_with_their_structure(tmp_path):
+@pytest.mark.parametrize("offload", [False, True])
+def test_adamw_state_and_kl_reference_round_trip_with_their_structure(tmp_path, offload):
+    """offload: both saved from and restored into pinned host memory (host-offloaded moments
+    and KL reference; policy_update.PolicyUpdate.offload_*)."""
     mesh = parallel.make_mesh((2, 4, 1))
-    state, target = _tiny_state(mesh, keep_reference=True)
+    settings = policy_update.PolicyUpdate(offload_optimizer_state=offload,
+                                          offload_reference=offload)
+    state, target = _tiny_state(mesh, keep_reference=True, settings=settings)
     state = state.replace(ref_params=jax.tree.map(lambda p: p * 2, state.ref_params))
     run = checkpoint_lib.RunCheckpoints(str(tmp_path), async_save=False)
     run.save(5, state, jax.random.key(0), {}, _config())
@@ -466,3 +472,6 @@ def test_adamw_state_and_kl_reference_round_trip_with_their_structure(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kind = "pinned_host" if offload else "device"
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(
+        (restored.opt_state, restored.ref_params))} == {kind}

@@ -73,6 +73,10 @@ class PolicyUpdate:
     steps_per_update: int = 1        # trained steps per optimizer step (1 = per k, 0 = all)
     micro_batch_prompts: int = 0     # prompts per gradient micro-batch; 0 = all
     recompute_old_log_prob: bool = False
+    # Host offload: the AdamW moments and the KL reference live in pinned host memory between
+    # updates (the rollout does not need them), and the update moves them in and out.
+    offload_optimizer_state: bool = False
+    offload_reference: bool = False
     guidance: float | None = 3.5
     quantize_timesteps: bool = False
 
@@ -83,16 +87,19 @@ class PolicyUpdate:
             steps_per_update=config.policy_update.steps_per_update,
             micro_batch_prompts=config.policy_update.micro_batch_prompts,
             recompute_old_log_prob=config.policy_update.recompute_old_log_prob,
+            offload_optimizer_state=config.policy_update.offload_optimizer_state,
+            offload_reference=config.policy_update.offload_reference,
             guidance=config.sampling.guidance,
             quantize_timesteps=config.sampling.quantize_timesteps)
 
 
 def abstract_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
-                   mesh: jax.sharding.Mesh) -> TrainState:
+                   mesh: jax.sharding.Mesh, settings: PolicyUpdate = PolicyUpdate()) -> TrainState:
     """The TrainState's shapes, dtypes and shardings (`jax.ShapeDtypeStruct` leaves), nothing
     allocated: the layout `init_state` creates, and the target a checkpoint is restored into.
     The moments are laid out like the parameters explicitly: left to jit they come back on one
-    device and are then replicated (89 GiB per chip for FLUX.1-dev; benchmarks/tpu_aot.py)."""
+    device and are then replicated (89 GiB per chip for FLUX.1-dev; benchmarks/tpu_aot.py).
+    `settings.offload_*` put the moments / the KL reference in pinned host memory."""
     param_shardings = jax.tree.map(lambda a: a.sharding, params)
     opt_shapes = jax.eval_shape(optimizer.init, params)
     opt_shardings = parallel.optimizer_state_shardings(optimizer, opt_shapes, param_shardings,
@@ -100,20 +107,32 @@ def abstract_state(params, optimizer: optax.GradientTransformation, keep_referen
     as_struct = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     abstract_params = jax.tree.map(as_struct, params, param_shardings)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return TrainState(params=abstract_params,
-                      opt_state=jax.tree.map(as_struct, opt_shapes, opt_shardings),
-                      ref_params=abstract_params if keep_reference else None,
-                      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    opt_state = jax.tree.map(as_struct, opt_shapes, opt_shardings)
+    reference = abstract_params if keep_reference else None
+    return TrainState(
+        params=abstract_params,
+        opt_state=on_host(opt_state) if settings.offload_optimizer_state else opt_state,
+        ref_params=on_host(reference) if settings.offload_reference else reference,
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+
+
+def on_host(tree):
+    """ShapeDtypeStructs (or arrays' shardings) moved to pinned host memory, same layout."""
+    def move(a):
+        sharding = a.sharding.with_memory_kind("pinned_host")
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+    return jax.tree.map(move, tree)
 
 
 def init_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
-               mesh: jax.sharding.Mesh) -> TrainState:
+               mesh: jax.sharding.Mesh, settings: PolicyUpdate = PolicyUpdate()) -> TrainState:
     """A fresh train state next to the (already sharded) parameters, laid out as
-    `abstract_state`; scalars replicated."""
-    shardings = jax.tree.map(lambda a: a.sharding,
-                             abstract_state(params, optimizer, keep_reference, mesh).opt_state)
-    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(params)
-    ref = jax.tree.map(jnp.copy, params) if keep_reference else None
+    `abstract_state` (host-offloaded parts in pinned host memory); scalars replicated."""
+    layout = jax.tree.map(lambda a: a.sharding,
+                          abstract_state(params, optimizer, keep_reference, mesh, settings))
+    opt_state = jax.jit(optimizer.init, out_shardings=layout.opt_state)(params)
+    ref = (jax.tree.map(lambda a, s: jax.device_put(a, s, may_alias=False), params,
+                        layout.ref_params) if keep_reference else None)
     state = TrainState(params=params, opt_state=opt_state, ref_params=ref,
                        step=jnp.zeros((), jnp.int32))
     return parallel.replicate_unplaced(state, mesh)
@@ -285,6 +304,13 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
     loss_fn = functools.partial(micro_batch_loss, log_prob_fn=log_prob_fn, algo=algo)
 
     def update(state: TrainState, batch: TrainBatch, cond: dict):
+        host_reference = state.ref_params
+        if settings.offload_optimizer_state:
+            state = state.replace(opt_state=jax.device_put(state.opt_state,
+                                                           jax.memory.Space.Device))
+        if settings.offload_reference:
+            state = state.replace(ref_params=jax.device_put(state.ref_params,
+                                                            jax.memory.Space.Device))
         num_k = batch.step.shape[0]
         per, count = group_sizes(num_k, batch.x.shape[1], settings)
         if settings.recompute_old_log_prob:
@@ -297,6 +323,11 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
         step = functools.partial(optimizer_step, loss_fn=loss_fn, optimizer=optimizer,
                                  cond_micro=micro_batch_cond(cond, count), count=count)
         state, (metrics, grad_norms, skipped) = jax.lax.scan(step, state, grouped)
+        if settings.offload_optimizer_state:
+            state = state.replace(opt_state=jax.device_put(state.opt_state,
+                                                           jax.memory.Space.Host))
+        if settings.offload_reference:
+            state = state.replace(ref_params=host_reference)   # unchanged, never copied back
         return state, dict(metrics, grad_norm=grad_norms, skipped=skipped,
                            rollout_log_prob_gap=rollout_gap)
 

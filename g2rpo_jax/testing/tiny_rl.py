@@ -49,7 +49,7 @@ def run_iteration(algo, mesh, sigmas, prompts: int, image_tokens: int = 16,
     settings = settings or policy_update.PolicyUpdate()
     graphdef, params = nnx.split(flux.init_sharded(model_config, mesh, seed=seed))
     optimizer = optimizer_lib.make_optimizer(optimizer_config)
-    state = policy_update.init_state(params, optimizer, algo.kl_beta > 0, mesh)
+    state = policy_update.init_state(params, optimizer, algo.kl_beta > 0, mesh, settings)
     cond = random_cond(mesh, prompts, image_tokens, cfg=model_config)
     rollout_fn = jax.jit(iteration.make_rollout_fn(
         graphdef, algo, sigmas, (image_tokens, model_config.in_channels), reward_fn,

@@ -215,6 +215,28 @@ def test_positive_advantage_raises_that_samples_log_prob(steps_per_update):
     assert np.argmax(after - before) == 3 * algo.group_size + 1
 
 
+def test_host_offloaded_state_gives_the_same_update():
+    """offload_optimizer_state / offload_reference: the moments and the KL reference sit in
+    pinned host memory before and after the update (the rollout runs without them in device
+    memory) and the update is bit-identical to keeping them on the device."""
+    algo = _algo("flow_grpo", kl_beta=0.1)     # a KL reference to offload
+    mesh = parallel.make_mesh((2, 4, 1))
+    kept = _run(algo, mesh, policy_update.PolicyUpdate(steps_per_update=1))
+    offloaded = _run(algo, mesh, policy_update.PolicyUpdate(
+        steps_per_update=1, offload_optimizer_state=True, offload_reference=True))
+    kinds = lambda tree: {a.sharding.memory_kind for a in jax.tree.leaves(tree)}
+    assert kinds(offloaded["state"].opt_state) == {"pinned_host"}
+    assert kinds(offloaded["state"].ref_params) == {"pinned_host"}
+    assert kinds(offloaded["state"].params) == {"device"}
+    assert kinds(kept["state"].opt_state) == {"device"}
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, offloaded["state"]),
+                 jax.tree.map(np.asarray, kept["state"]))
+    # A moved state: the comparison above is not between two untouched initial states.
+    moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(),
+                         offloaded["state"].params, offloaded["before"])
+    assert max(jax.tree.leaves(moved)) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["g2rpo", "dance_grpo"])
 def test_sharded_iterations_match_unsharded(name):
