@@ -63,10 +63,11 @@ OPTIONS = ("lambda12",)
 # lane count makes the same number of model calls (the plan packs the (k, λ) finishes), so the
 # bound only trades call size for scan length: the most lanes the plan can pack (Λ = {1,2,3}:
 # 1 or 3; {1,2} and {1}: 1, 2 or 4) whose rollout peak per chip stays within ~90% of a v5p's
-# 95 GiB on 8 chips (2 prompts per chip). Measured peaks: Λ = {1,2,3} with 3 lanes (72 samples
-# per chip) 42.0 GiB; Λ = {1,2} with 4 lanes (96 per chip) 47.4 GiB; {1} with 4 lanes 46.3 GiB
-# (with attention="xla": 74.3 GiB with 3 lanes; {1,2} and {1} 83.3 and 82.4 already with 2
-# lanes, so 1 there). Other Λ: 1 lane.
+# 95 GiB on 8 chips (2 prompts per chip). Measured peaks (splash, moments offloaded to host):
+# Λ = {1,2,3} with 3 lanes (72 samples per chip) 30.9 GiB; Λ = {1,2} and {1} with 4 lanes (96
+# per chip) 36.3 and 35.2 GiB (with the moments in HBM 42.0, 47.4 and 46.3). With
+# attention="xla" and moments in HBM: 74.3 GiB with 3 lanes; {1,2} and {1} 83.3 and 82.4
+# already with 2 lanes, so 1 there. Other Λ: 1 lane.
 MAX_LANES = {(1, 2, 3): 3, (1, 2): 4, (1,): 4}
 FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mesh.fsdp)
 # Prompts per gradient micro-batch (0 = all at once). G²RPO's update scores one anchor per

@@ -75,6 +75,18 @@ def test_pieces_compile_on_cpu_devices(tmp_path):
     assert rows["update"]["alias_gib"] > 0
     # The rollout runs beside the resident AdamW moments.
     assert rows["sample"]["resident_gib"] > 0
+    assert rows["sample"]["host_resident_gib"] == 0
+    # Offloaded to pinned host memory they are not in the rollout's device peak, and the
+    # update takes them as host arguments.
+    result = _run("--topology=cpu", "--config=configs/flux_tiny.py", "--pieces=sample,update",
+                  "--config.policy_update.offload_optimizer_state=True", f"--out={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    offloaded = {row["piece"]: row for row in json.loads(out.read_text())["pieces"]}
+    assert offloaded["sample"]["resident_gib"] == 0
+    assert offloaded["sample"]["host_resident_gib"] == pytest.approx(
+        rows["sample"]["resident_gib"])
+    assert offloaded["sample"]["peak_gib"] == pytest.approx(
+        rows["sample"]["peak_gib"] - rows["sample"]["resident_gib"])
 
 
 def test_without_libtpu_the_error_names_the_install_command():
