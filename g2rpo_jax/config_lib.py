@@ -143,9 +143,12 @@ def optimizer_config(**overrides) -> ml_collections.ConfigDict:
 
     schedule: "constant", "warmup_constant" (linear warm-up over warmup_steps, then constant)
       or "warmup_cosine" (warm-up, then cosine decay to 0 at decay_steps, the total length).
+    moments_dtype: "float32" or "bfloat16" (AdamW's two moments stored in bfloat16, computed in
+      float32: half their memory).
     """
     fields = dict(learning_rate=2e-6, schedule="constant", warmup_steps=0, decay_steps=1,
-                  b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0)
+                  b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, grad_clip_norm=1.0,
+                  moments_dtype="float32")
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ValueError(f"Unknown optimizer fields {sorted(unknown)}; known: {sorted(fields)}.")
