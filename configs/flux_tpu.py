@@ -9,7 +9,8 @@ shardings; no weights needed), as launch/run.sh does first on every worker.
 The argument is comma-separated words: one algorithm (g2rpo [default], g2rpo_no_mgai, dance_grpo,
 flow_grpo, mix_grpo), one training reward (hps [default]: HPS-v2.1; hps_clip: HPS-v2.1 + CLIP
 score, unit weights) and optionally `lambda12` (G²RPO with the reference scripts' Λ = {1, 2}
-instead of the paper's {1, 2, 3}); e.g. `:dance_grpo,hps_clip` or `:g2rpo,hps,lambda12`.
+instead of the paper's {1, 2, 3}) and one TPU slice (`v5p` [default]: v5p-16; `v6e`: v6e-8;
+see SLICES); e.g. `:dance_grpo,hps_clip`, `:g2rpo,hps,lambda12` or `:g2rpo,hps,v6e`.
 
 Paths are fields: they all derive from `paths.root` (a gs:// placeholder), laid out as below;
 override the root, or any single path, on the command line. Every path may be local or gs://
@@ -53,7 +54,6 @@ REWARDS = {
     "hps": (("hps",), (1.0,)),
     "hps_clip": (("hps", "clip_score"), (1.0, 1.0)),
 }
-OPTIONS = ("lambda12",)
 
 # ------------------------------------------------------------------------------------------
 # Memory-bound settings, measured with benchmarks/tpu_aot.py (docs/tpu_memory.md) with the
@@ -74,6 +74,19 @@ FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mes
 # prompt and k (16 samples per call); the trajectory baselines score every member
 # (prompts × 12 samples per call), which with all 16 prompts needs 117 GiB per chip on 8 chips.
 MICRO_BATCH_PROMPTS = {"singular": 0, "trajectory": 4}
+
+# The smallest slice of each TPU generation on which the paper's setting (full fine-tuning,
+# 16 prompts, Λ = {1,2,3}) compiles with rollout and update within 90% of HBM per chip, as
+# measured with benchmarks/tpu_aot.py (docs/tpu_memory.md, "The smallest slice"): the option
+# word sets the mesh's fsdp group, the moments' dtype and a cap on the continuation lanes.
+SLICES = {
+    # v5p-16 (v5p:2x2x2, 8 chips, 95 GiB): the defaults.
+    "v5p": dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None),
+    # v6e-8 (v6e:2x4, 8 chips, 32 GiB): bf16 moments, one lane (rollout 16.2, update 24.9 GiB;
+    # 3 lanes take 29.7 GiB, 93%).
+    "v6e": dict(fsdp=8, moments_dtype="bfloat16", max_lanes=1),
+}
+OPTIONS = ("lambda12",) + tuple(SLICES)
 
 PLACEHOLDER_ROOT = "gs://YOUR_BUCKET/flux"
 
@@ -105,6 +118,9 @@ def parse_argument(argument: str | None) -> tuple[str, str, tuple[str, ...]]:
                              f"{chosen[kind]}.")
     algorithm = (chosen["algorithm"] or ["g2rpo"])[0]
     options = tuple(chosen["option"])
+    if len([o for o in options if o in SLICES]) > 1:
+        raise ValueError(f"The config argument {argument!r} names several TPU slices: "
+                         f"{[o for o in options if o in SLICES]}.")
     if "lambda12" in options and algorithms.PRESETS[algorithm]["rollout"] != "singular":
         raise ValueError(f"lambda12 sets G²RPO's granularities; {algorithm!r} has none.")
     return algorithm, (chosen["reward"] or ["hps"])[0], options
@@ -170,8 +186,12 @@ def get_config(argument: str = "g2rpo,hps"):
     # anchor ODE, the update's per-prompt passes) spread over the chips of a group rather than
     # over replicas, while the continuation's big calls (prompts × lanes × G) use every chip.
     config.mesh.data = -1
-    config.mesh.fsdp = FSDP_CHIPS
     config.mesh.tensor = 1
+    tpu_slice = SLICES[next((o for o in options if o in SLICES), "v5p")]
+    config.mesh.fsdp = tpu_slice["fsdp"]
+    config.optimizer.moments_dtype = tpu_slice["moments_dtype"]
+    if tpu_slice["max_lanes"] and config.algorithm.rollout == "singular":
+        config.algorithm.max_lanes = min(config.algorithm.max_lanes, tpu_slice["max_lanes"])
     config.sharding_rules = [["batch", ["fsdp", "data"]] if name == "batch" else [name, axes]
                              for name, axes in config.sharding_rules]
     # Every TPU VM of the pod runs the same command; jax.distributed finds the others. Without a

@@ -87,6 +87,19 @@ def test_continuation_lanes_fit_the_smallest_pod(argument, lanes):
     assert config.model.attention == "auto"
 
 
+@pytest.mark.parametrize("argument,fsdp,moments,lanes", [
+    ("g2rpo", 8, "float32", 3), ("g2rpo,v5p", 8, "float32", 3),
+    ("g2rpo,v6e", 8, "bfloat16", 1), ("g2rpo,lambda12,v6e", 8, "bfloat16", 1)])
+def test_slice_words_select_the_fitted_setting(argument, fsdp, moments, lanes):
+    """docs/tpu_memory.md, "The smallest slice": v6e-8 (32 GiB per chip) fits full fine-tuning
+    with bf16 AdamW moments and one continuation lane (rollout 16.2, update 24.9 GiB)."""
+    config = load(argument)
+    assert config.mesh.fsdp == fsdp
+    assert config.optimizer.moments_dtype == moments
+    assert algorithms.Algorithm.from_config(config.algorithm).max_lanes == lanes
+    assert config.policy_update.offload_optimizer_state is True
+
+
 def test_baselines_keep_their_own_settings():
     dance = load("dance_grpo").algorithm
     assert (dance.rollout, dance.sde_step, dance.eta, dance.train_fraction) == \
@@ -121,6 +134,7 @@ def test_defaults_and_paths():
     ("g2rpo,hsp", "Unknown word 'hsp'"),
     ("g2rpo,dance_grpo", "several algorithms"),
     ("dance_grpo,lambda12", "lambda12 sets G²RPO's granularities"),
+    ("g2rpo,v5p,v6e", "several TPU slices"),
 ])
 def test_bad_arguments(argument, message):
     with pytest.raises(ValueError, match=message):
