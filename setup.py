@@ -34,6 +34,9 @@ TEST_REQUIRES = [
     "pytest-xdist==3.8.0",
     "torch==2.13.0",
     "diffusers==0.42.1",
+    # diffusers' load_lora_adapter / load_lora_weights need PEFT: tests/models/test_lora.py
+    # loads our exported adapters with them.
+    "peft==0.21.2",
     # TensorBoard's own event reader: the resume tests check what it shows (purged events).
     "tensorboard==2.21.0",
     # open_clip_torch==3.3.0 (the OpenCLIP reference) is installed with --no-deps by the test

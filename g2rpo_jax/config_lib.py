@@ -12,7 +12,7 @@ import os
 import ml_collections
 from ml_collections import config_flags
 
-from g2rpo_jax.models import flux
+from g2rpo_jax.models import flux, lora
 from g2rpo_jax.parallel import sharding
 from g2rpo_jax.rl import algorithms
 
@@ -69,6 +69,11 @@ def flux_model_config(**overrides) -> ml_collections.ConfigDict:
     # A diffusers transformer/ folder, a model folder containing it, or a BFL single file;
     # empty = random initialisation.
     model.checkpoint = ""
+    # Low-rank adapters (models.lora): rank 0 = off (full fine-tuning); alpha / rank scales the
+    # update; targets name our FLUX port's linears (models.lora.TARGETS: attention q / k / v /
+    # out and MLP of the double and single blocks).
+    model.lora = ml_collections.ConfigDict(dict(
+        rank=0, alpha=64.0, dropout=0.0, targets=list(lora.TARGETS)))
     return model
 
 

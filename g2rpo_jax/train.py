@@ -40,6 +40,7 @@ from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import held_out, parallel, preemption, storage, tasks
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax.models import lora
 from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import policy_update
 from g2rpo_jax.rl.algorithms import Algorithm
@@ -112,7 +113,7 @@ class _CompileAhead:
              num_rewards):
         try:
             with jax.set_mesh(mesh):
-                sample = sample_fn.lower(state.params, cond, key, iteration).compile()
+                sample = sample_fn.lower(state.policy_params(), cond, key, iteration).compile()
                 self._futures["sample"].set_result(None)
                 finals, transitions = sample.out_info
                 scores = jax.ShapeDtypeStruct(   # task.rewards, placed by parallel.replicated
@@ -154,6 +155,16 @@ class _CompileAhead:
         self._thread.join()
 
 
+def _split_policy(policy):
+    """(graphdef, trained state, frozen state): with LoRA adapters (model.lora.rank > 0) the
+    adapters are trained and the rest is frozen; without, everything is trained (frozen None)."""
+    graphdef = nnx.graphdef(policy)
+    if lora.targets_in(policy):
+        adapters, frozen = nnx.state(policy, nnx.LoRAParam, ...)
+        return graphdef, adapters, frozen
+    return graphdef, nnx.state(policy), None
+
+
 def _count_skips(loop: dict, skipped) -> None:
     """Adds this iteration's skipped optimizer steps [U] (in order) to the counters."""
     for flag in np.asarray(skipped).reshape(-1):
@@ -185,19 +196,20 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     sigmas = held_out.sigmas_from_config(config)
     reward_names = list(task.reward_names)
 
-    graphdef, params = nnx.split(task.policy)
+    graphdef, params, frozen = _split_policy(task.policy)
     optimizer = optimizer_lib.make_optimizer(config.optimizer)
-    keep_reference = algo.kl_beta > 0
+    keep_reference = algo.kl_beta > 0 and frozen is None   # LoRA: the reference is the base
     update_settings = policy_update.PolicyUpdate.from_config(config)
     restored = run.restore_latest(policy_update.abstract_state(
         params, optimizer, keep_reference, mesh, update_settings), config)
     if restored is None:
         state = policy_update.init_state(params, optimizer, keep_reference, mesh,
-                                         update_settings)
+                                         update_settings, frozen=frozen)
         key, loop = parallel.replicated(jax.random.key(config.seed), mesh), _fresh_loop_state()
     else:
         start_iteration, state, key, loop = restored
         del params   # the restored parameters replace the starting point's
+        state = state.replace(frozen=frozen)   # LoRA: the base is not in the checkpoint
         if start_iteration > settings.num_iterations:
             raise ValueError(
                 f"The run in {workdir} is at iteration {start_iteration}, past "
@@ -228,7 +240,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     def evaluate(iteration, name=None):
         if evaluator is None:  # no held-out prompts configured
             return {}
-        evaluation = evaluator.evaluate(state.params)
+        evaluation = evaluator.evaluate(state.policy_params())
         scores = evaluation.means()
         logger.write(iteration, {f"eval/{k}": v for k, v in scores.items()})
         if name and jax.process_index() == 0:
@@ -295,7 +307,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         with timer.phase("rollout"), jax.set_mesh(mesh):
             if ahead:
                 ahead.wait("sample")
-            finals, transitions = sample_fn(state.params, cond, jax.random.fold_in(key, it), it)
+            finals, transitions = sample_fn(state.policy_params(), cond,
+                                            jax.random.fold_in(key, it), it)
             jax.block_until_ready(finals)
         # Outside the global mesh: a task may decode and score on each process's own devices.
         with timer.phase("reward"):
@@ -394,7 +407,11 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
               "checkpoint": run.step_dir(iterations),
               "timing": _timing(loop)}
     if jax.process_index() == 0:
-        task.save(workdir, nnx.merge(graphdef, state.params),
+        policy = nnx.merge(graphdef, state.policy_params())
+        if state.frozen is not None:   # LoRA: the adapters alone, then folded into the base
+            lora.save_peft(os.path.join(workdir, "lora.safetensors"), policy)
+            policy = lora.merge(policy)
+        task.save(workdir, policy,
                   {k: report[k] for k in ("base", "final", "iterations", "algorithm", "seed")})
         rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
         panels = {"training reward": [f"train/reward_{n}" for n in reward_names],

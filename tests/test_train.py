@@ -11,6 +11,7 @@ from PIL import Image
 import pytest
 import resume_helpers
 
+from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import config_lib, generator, held_out, parallel, pretrain, train
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.models import state_io
@@ -272,3 +273,20 @@ def test_empty_held_out_split_is_named(monkeypatch):
                         lambda seed, fraction: {"train": ["a red circle"], "held_out": []})
     with pytest.raises(ValueError, match="held-out prompt split is empty"):
         held_out.held_out_prompts(config)
+
+
+def test_lora_run_checkpoints_resumes_and_writes_adapters(tmp_path, data_dir, mesh):
+    """model.lora.rank > 0: the checkpoint holds the adapters (no base), an extended run
+    resumes from it, and the run writes the adapters (PEFT layout) and the merged generator."""
+    config = short_rl_config(data_dir, "g2rpo", iterations=1)
+    config.train.eval_every = 0
+    config.model.lora.rank = 2
+    rules = parallel.rules_from_config(config.sharding_rules)
+    train.train(config, str(tmp_path), mesh, rules)
+    config.train.num_iterations = 2
+    report = train.train(config, str(tmp_path), mesh, rules)
+    assert report["iterations"] == 2
+    arrays = checkpoint_lib.read_arrays(os.path.join(str(tmp_path), "checkpoints", "2"))
+    params = [k for k in arrays if k.startswith("['params']")]
+    assert params and all("lora_" in k for k in params)
+    assert (tmp_path / "lora.safetensors").exists() and (tmp_path / "generator.safetensors").exists()

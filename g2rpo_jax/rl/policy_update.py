@@ -59,10 +59,18 @@ class TrainBatch:
 
 @struct.dataclass
 class TrainState:
-    params: Any             # nnx.State of the policy (float32 master weights)
+    params: Any             # nnx.State of the trained parameters (float32 master weights): the
+                            # whole policy, or with LoRA its adapters only (nnx.LoRAParam)
     opt_state: Any
-    ref_params: Any         # frozen initial policy for the KL term, or None
+    ref_params: Any         # frozen initial policy for the KL term, or None (with LoRA: None,
+                            # the reference is `frozen` with the adapters off)
     step: jax.Array         # optimizer steps taken
+    frozen: Any = None      # LoRA: the frozen base (every other Variable of the policy); None
+                            # without LoRA. Not trained, not in the optimizer state.
+
+    def policy_params(self):
+        """The policy's whole state (what `nnx.merge(graphdef, ...)` takes)."""
+        return self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +133,19 @@ def on_host(tree):
 
 
 def init_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
-               mesh: jax.sharding.Mesh, settings: PolicyUpdate = PolicyUpdate()) -> TrainState:
+               mesh: jax.sharding.Mesh, settings: PolicyUpdate = PolicyUpdate(),
+               frozen=None) -> TrainState:
     """A fresh train state next to the (already sharded) parameters, laid out as
-    `abstract_state` (host-offloaded parts in pinned host memory); scalars replicated."""
+    `abstract_state` (host-offloaded parts in pinned host memory); scalars replicated.
+    LoRA: `params` are the adapters (`nnx.split(model, nnx.LoRAParam, ...)`), `frozen` the
+    rest, and keep_reference False (the KL reference is the base, adapters off)."""
     layout = jax.tree.map(lambda a: a.sharding,
                           abstract_state(params, optimizer, keep_reference, mesh, settings))
     opt_state = jax.jit(optimizer.init, out_shardings=layout.opt_state)(params)
     ref = (jax.tree.map(lambda a, s: jax.device_put(a, s, may_alias=False), params,
                         layout.ref_params) if keep_reference else None)
     state = TrainState(params=params, opt_state=opt_state, ref_params=ref,
-                       step=jnp.zeros((), jnp.int32))
+                       step=jnp.zeros((), jnp.int32), frozen=frozen)
     return parallel.replicate_unplaced(state, mesh)
 
 
@@ -304,6 +315,14 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
     loss_fn = functools.partial(micro_batch_loss, log_prob_fn=log_prob_fn, algo=algo)
 
     def update(state: TrainState, batch: TrainBatch, cond: dict):
+        loss, log_prob = loss_fn, log_prob_fn
+        if state.frozen is not None:
+            # LoRA: differentiate the adapters only; the frozen base rides along, and the KL
+            # reference is the base with the adapters off (zero, so exactly the base).
+            full = functools.partial(nnx.merge_state, state.frozen)
+            loss = lambda p, item, c, ref: loss_fn(full(p), item, c, jax.lax.stop_gradient(
+                full(jax.tree.map(jnp.zeros_like, p))))
+            log_prob = lambda p, item, c: log_prob_fn(full(p), item, c)
         host_reference = state.ref_params
         if settings.offload_optimizer_state:
             state = state.replace(opt_state=jax.device_put(state.opt_state,
@@ -314,13 +333,13 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
         num_k = batch.step.shape[0]
         per, count = group_sizes(num_k, batch.x.shape[1], settings)
         if settings.recompute_old_log_prob:
-            recomputed = rescored_log_probs(log_prob_fn, state.params, batch, cond, count)
+            recomputed = rescored_log_probs(log_prob, state.params, batch, cond, count)
             rollout_gap = jnp.max(jnp.abs(recomputed - batch.old_log_prob))
             batch = batch.replace(old_log_prob=recomputed)
         else:
             rollout_gap = jnp.zeros(())
         grouped = jax.tree.map(lambda a: a.reshape(num_k // per, per, *a.shape[1:]), batch)
-        step = functools.partial(optimizer_step, loss_fn=loss_fn, optimizer=optimizer,
+        step = functools.partial(optimizer_step, loss_fn=loss, optimizer=optimizer,
                                  cond_micro=micro_batch_cond(cond, count), count=count)
         state, (metrics, grad_norms, skipped) = jax.lax.scan(step, state, grouped)
         if settings.offload_optimizer_state:

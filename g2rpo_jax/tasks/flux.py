@@ -29,7 +29,7 @@ from g2rpo_jax import rewards as rewards_lib
 from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.models import autoencoder as autoencoder_lib
-from g2rpo_jax.models import autoencoder_weights, flux, flux_weights
+from g2rpo_jax.models import autoencoder_weights, flux, flux_weights, lora
 from g2rpo_jax.tasks.base import Batch
 
 REQUIRED_SECTIONS = ("autoencoder", "text", "image", "data", "reward", "train", "evaluation")
@@ -217,6 +217,8 @@ class FluxTask:
         self.policy = flux_weights.from_pretrained(
             storage.local(config.model.checkpoint, parts=("transformer",)), mesh=mesh,
             rules=self.rules, **execution)
+        # model.lora.rank > 0: adapters on the policy before anything takes its graph.
+        lora.from_config(self.policy, config.model, config.seed, mesh, self.rules)
         cfg = self.policy.cfg
         self.host_mesh = local_mesh()
         vae_path = storage.local(config.autoencoder.path or model_folder(config),

@@ -13,6 +13,7 @@ from g2rpo_jax import config_lib, held_out, parallel
 from g2rpo_jax import generator as generator_lib
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
+from g2rpo_jax.models import lora
 from g2rpo_jax.tasks.base import Batch
 
 
@@ -56,6 +57,8 @@ class ShapesTask:
         self.generator = generator_lib.load_generator(config.model.checkpoint, mesh, rules,
                                                       **execution)
         self.mesh, self.rules = mesh, rules
+        # model.lora.rank > 0: adapters on the policy before anything takes its graph.
+        lora.from_config(self.generator.flux, config.model, config.seed, mesh, rules)
         self.prompts_per_iteration = config.train.prompts_per_iteration
         self.policy = self.generator.flux
         self.latent_shape = self.generator.latent_shape
