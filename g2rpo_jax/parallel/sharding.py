@@ -140,6 +140,30 @@ def optimizer_state_shardings(optimizer, opt_state, param_shardings, mesh: Mesh)
                                  param_shardings, transform_non_params=lambda _: replicated)
 
 
+def in_host_memory(tree):
+    """ShapeDtypeStructs (with shardings) laid out the same way in pinned host memory: the
+    layout of state that waits outside device memory between uses (host offload)."""
+    def move(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                    sharding=a.sharding.with_memory_kind("pinned_host"))
+    return jax.tree.map(move, tree)
+
+
+def move_to_memory(tree, kind: str):
+    """Arrays moved to device memory ("device") or pinned host memory ("pinned_host"), each
+    keeping its sharding; inside a jitted function too (the copy is part of the program)."""
+    spaces = {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Host}
+    if kind not in spaces:
+        raise ValueError(f"Unknown memory kind {kind!r}; use one of {sorted(spaces)}.")
+    return jax.device_put(tree, spaces[kind])
+
+
+def placed_copy(tree, shardings):
+    """A copy of every array, placed with `shardings` (a tree of the same structure); never
+    an alias of the input, so either may be donated."""
+    return jax.tree.map(lambda a, s: jax.device_put(a, s, may_alias=False), tree, shardings)
+
+
 def batch_sharding(mesh: Mesh, shape: Sequence[int], rules: LogicalRules = DEFAULT_RULES,
                    names: Sequence[str | None] | None = None) -> NamedSharding:
     """Sharding for a batch-major input array: dim 0 is "batch", the rest replicated."""

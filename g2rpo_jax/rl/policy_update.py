@@ -119,17 +119,10 @@ def abstract_state(params, optimizer: optax.GradientTransformation, keep_referen
     reference = abstract_params if keep_reference else None
     return TrainState(
         params=abstract_params,
-        opt_state=on_host(opt_state) if settings.offload_optimizer_state else opt_state,
-        ref_params=on_host(reference) if settings.offload_reference else reference,
+        opt_state=(parallel.in_host_memory(opt_state) if settings.offload_optimizer_state
+                   else opt_state),
+        ref_params=parallel.in_host_memory(reference) if settings.offload_reference else reference,
         step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-
-
-def on_host(tree):
-    """ShapeDtypeStructs (or arrays' shardings) moved to pinned host memory, same layout."""
-    def move(a):
-        sharding = a.sharding.with_memory_kind("pinned_host")
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-    return jax.tree.map(move, tree)
 
 
 def init_state(params, optimizer: optax.GradientTransformation, keep_reference: bool,
@@ -142,8 +135,7 @@ def init_state(params, optimizer: optax.GradientTransformation, keep_reference: 
     layout = jax.tree.map(lambda a: a.sharding,
                           abstract_state(params, optimizer, keep_reference, mesh, settings))
     opt_state = jax.jit(optimizer.init, out_shardings=layout.opt_state)(params)
-    ref = (jax.tree.map(lambda a, s: jax.device_put(a, s, may_alias=False), params,
-                        layout.ref_params) if keep_reference else None)
+    ref = parallel.placed_copy(params, layout.ref_params) if keep_reference else None
     state = TrainState(params=params, opt_state=opt_state, ref_params=ref,
                        step=jnp.zeros((), jnp.int32), frozen=frozen)
     return parallel.replicate_unplaced(state, mesh)
@@ -325,11 +317,10 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
             log_prob = lambda p, item, c: log_prob_fn(full(p), item, c)
         host_reference = state.ref_params
         if settings.offload_optimizer_state:
-            state = state.replace(opt_state=jax.device_put(state.opt_state,
-                                                           jax.memory.Space.Device))
+            state = state.replace(opt_state=parallel.move_to_memory(state.opt_state, "device"))
         if settings.offload_reference:
-            state = state.replace(ref_params=jax.device_put(state.ref_params,
-                                                            jax.memory.Space.Device))
+            state = state.replace(ref_params=parallel.move_to_memory(state.ref_params,
+                                                                     "device"))
         num_k = batch.step.shape[0]
         per, count = group_sizes(num_k, batch.x.shape[1], settings)
         if settings.recompute_old_log_prob:
@@ -343,8 +334,8 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
                                  cond_micro=micro_batch_cond(cond, count), count=count)
         state, (metrics, grad_norms, skipped) = jax.lax.scan(step, state, grouped)
         if settings.offload_optimizer_state:
-            state = state.replace(opt_state=jax.device_put(state.opt_state,
-                                                           jax.memory.Space.Host))
+            state = state.replace(opt_state=parallel.move_to_memory(state.opt_state,
+                                                                    "pinned_host"))
         if settings.offload_reference:
             state = state.replace(ref_params=host_reference)   # unchanged, never copied back
         return state, dict(metrics, grad_norm=grad_norms, skipped=skipped,
