@@ -9,8 +9,9 @@ shardings; no weights needed), as launch/run.sh does first on every worker.
 The argument is comma-separated words: one algorithm (g2rpo [default], g2rpo_no_mgai, dance_grpo,
 flow_grpo, mix_grpo), one training reward (hps [default]: HPS-v2.1; hps_clip: HPS-v2.1 + CLIP
 score, unit weights) and optionally `lambda12` (G²RPO with the reference scripts' Λ = {1, 2}
-instead of the paper's {1, 2, 3}) and one TPU slice (`v5p` [default]: v5p-16; `v6e`: v6e-8;
-see SLICES); e.g. `:dance_grpo,hps_clip`, `:g2rpo,hps,lambda12` or `:g2rpo,hps,v6e`.
+instead of the paper's {1, 2, 3}) and one of the smallest TPU slices that fit (`v5p8`, `v6e8`,
+`v5e16`; see SLICES; without one: v5p-16 and larger); e.g. `:dance_grpo,hps_clip`,
+`:g2rpo,hps,lambda12` or `:g2rpo,hps,v6e8`.
 
 Paths are fields: they all derive from `paths.root` (a gs:// placeholder), laid out as below;
 override the root, or any single path, on the command line. Every path may be local or gs://
@@ -80,11 +81,14 @@ MICRO_BATCH_PROMPTS = {"singular": 0, "trajectory": 4}
 # measured with benchmarks/tpu_aot.py (docs/tpu_memory.md, "The smallest slice"): the option
 # word sets the mesh's fsdp group, the moments' dtype and a cap on the continuation lanes.
 SLICES = {
-    # v5p-16 (v5p:2x2x2, 8 chips, 95 GiB): the defaults.
-    "v5p": dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None),
+    # v5p-8 (v5p:2x2x1, 4 chips, 95 GiB): fsdp over the 4 chips (rollout 52.0, update 62.5 GiB).
+    "v5p8": dict(fsdp=4, moments_dtype="float32", max_lanes=None),
     # v6e-8 (v6e:2x4, 8 chips, 32 GiB): bf16 moments, one lane (rollout 16.2, update 24.9 GiB;
     # 3 lanes take 29.7 GiB, 93%).
-    "v6e": dict(fsdp=8, moments_dtype="bfloat16", max_lanes=1),
+    "v6e8": dict(fsdp=8, moments_dtype="bfloat16", max_lanes=1),
+    # v5e-16 (v5e:4x4, 16 chips, 16 GiB): fsdp 16, bf16 moments, one lane (rollout 8.7,
+    # update 13.5 GiB).
+    "v5e16": dict(fsdp=16, moments_dtype="bfloat16", max_lanes=1),
 }
 OPTIONS = ("lambda12",) + tuple(SLICES)
 
@@ -187,7 +191,9 @@ def get_config(argument: str = "g2rpo,hps"):
     # over replicas, while the continuation's big calls (prompts × lanes × G) use every chip.
     config.mesh.data = -1
     config.mesh.tensor = 1
-    tpu_slice = SLICES[next((o for o in options if o in SLICES), "v5p")]
+    # Without a slice word: v5p-16 and larger (fsdp 8, fp32 moments, the most lanes).
+    tpu_slice = next((SLICES[o] for o in options if o in SLICES),
+                     dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None))
     config.mesh.fsdp = tpu_slice["fsdp"]
     config.optimizer.moments_dtype = tpu_slice["moments_dtype"]
     if tpu_slice["max_lanes"] and config.algorithm.rollout == "singular":

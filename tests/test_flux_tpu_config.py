@@ -88,11 +88,13 @@ def test_continuation_lanes_fit_the_smallest_pod(argument, lanes):
 
 
 @pytest.mark.parametrize("argument,fsdp,moments,lanes", [
-    ("g2rpo", 8, "float32", 3), ("g2rpo,v5p", 8, "float32", 3),
-    ("g2rpo,v6e", 8, "bfloat16", 1), ("g2rpo,lambda12,v6e", 8, "bfloat16", 1)])
+    ("g2rpo", 8, "float32", 3), ("g2rpo,v5p8", 4, "float32", 3),
+    ("g2rpo,v6e8", 8, "bfloat16", 1), ("g2rpo,lambda12,v6e8", 8, "bfloat16", 1),
+    ("g2rpo,v5e16", 16, "bfloat16", 1)])
 def test_slice_words_select_the_fitted_setting(argument, fsdp, moments, lanes):
-    """docs/tpu_memory.md, "The smallest slice": v6e-8 (32 GiB per chip) fits full fine-tuning
-    with bf16 AdamW moments and one continuation lane (rollout 16.2, update 24.9 GiB)."""
+    """docs/tpu_memory.md, "The smallest slice", measured: v5p-8 fits the defaults on fsdp 4;
+    v6e-8 (32 GiB per chip) and v5e-16 (16 GiB) fit full fine-tuning with bf16 AdamW moments
+    and one continuation lane."""
     config = load(argument)
     assert config.mesh.fsdp == fsdp
     assert config.optimizer.moments_dtype == moments
@@ -134,7 +136,7 @@ def test_defaults_and_paths():
     ("g2rpo,hsp", "Unknown word 'hsp'"),
     ("g2rpo,dance_grpo", "several algorithms"),
     ("dance_grpo,lambda12", "lambda12 sets G²RPO's granularities"),
-    ("g2rpo,v5p,v6e", "several TPU slices"),
+    ("g2rpo,v5p8,v6e8", "several TPU slices"),
 ])
 def test_bad_arguments(argument, message):
     with pytest.raises(ValueError, match=message):
