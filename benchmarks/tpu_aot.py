@@ -199,9 +199,11 @@ class Job:
 
 
 def make_job(config, devices) -> Job:
+    from flax import nnx
+
     from g2rpo_jax import config_lib, held_out, parallel
     from g2rpo_jax import optimizer as optimizer_lib
-    from g2rpo_jax.models import flux
+    from g2rpo_jax.models import flux, lora
     from g2rpo_jax.rl import policy_update
     from g2rpo_jax.rl.algorithms import Algorithm
 
@@ -209,11 +211,20 @@ def make_job(config, devices) -> Job:
     rules = parallel.rules_from_config(config.sharding_rules)
     cfg = config_lib.to_flux_config(config.model)
     flux.validate_mesh(cfg, mesh)
-    graphdef, params = abstract_state(flux.abstract_model(cfg, rules), mesh, rules)
+    model = flux.abstract_model(cfg, rules)
+    lora_config = lora.LoRAConfig.from_config(config.model.get("lora"))
+    if lora_config.enabled:
+        lora.wrap(model, lora_config)       # adapters as shapes, like the rest
+    graphdef, params = abstract_state(model, mesh, rules)
     optimizer = optimizer_lib.make_optimizer(config.optimizer)
     algo = Algorithm.from_config(config.algorithm)
-    state = policy_update.abstract_state(params, optimizer, algo.kl_beta > 0, mesh,
-                                         policy_update.PolicyUpdate.from_config(config))
+    settings = policy_update.PolicyUpdate.from_config(config)
+    if lora_config.enabled:   # as train.py: the adapters train, the base rides along frozen
+        adapters, frozen = nnx.split_state(params, nnx.LoRAParam, ...)
+        state = policy_update.abstract_state(adapters, optimizer, False, mesh, settings)
+        state = state.replace(frozen=frozen)
+    else:
+        state = policy_update.abstract_state(params, optimizer, algo.kl_beta > 0, mesh, settings)
     return Job(config=config, mesh=mesh, rules=rules, cfg=cfg, algo=algo,
                sigmas=held_out.sigmas_from_config(config), graphdef=graphdef, params=params,
                optimizer=optimizer, state=state,
@@ -507,6 +518,8 @@ def _model_summary(job: Job, device) -> dict:
                 image_tokens=job.config.describe.image_tokens,
                 text_tokens=job.config.describe.text_tokens,
                 max_lanes=job.algo.max_lanes,
+                lora_rank=int(job.config.model.get("lora", {}).get("rank", 0)),
+                moments_dtype=job.config.optimizer.get("moments_dtype", "float32"),
                 micro_batch_prompts=job.config.policy_update.micro_batch_prompts,
                 steps_per_update=job.config.policy_update.steps_per_update)
 

@@ -87,6 +87,16 @@ def test_pieces_compile_on_cpu_devices(tmp_path):
         rows["sample"]["resident_gib"])
     assert offloaded["sample"]["peak_gib"] == pytest.approx(
         rows["sample"]["peak_gib"] - rows["sample"]["resident_gib"])
+    # LoRA: the moments are the adapters' (rank 2: a small fraction of the full moments), and
+    # the update takes the frozen base beside them.
+    result = _run("--topology=cpu", "--config=configs/flux_tiny.py", "--pieces=sample,update",
+                  "--config.model.lora.rank=2", f"--out={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    adapted = {row["piece"]: row for row in report["pieces"]}
+    assert report["model"]["lora_rank"] == 2
+    assert 0 < adapted["sample"]["resident_gib"] < 0.2 * rows["sample"]["resident_gib"]
+    assert adapted["update"]["argument_gib"] < rows["update"]["argument_gib"]
 
 
 def test_without_libtpu_the_error_names_the_install_command():
