@@ -9,9 +9,11 @@ shardings; no weights needed), as launch/run.sh does first on every worker.
 The argument is comma-separated words: one algorithm (g2rpo [default], g2rpo_no_mgai, dance_grpo,
 flow_grpo, mix_grpo), one training reward (hps [default]: HPS-v2.1; hps_clip: HPS-v2.1 + CLIP
 score, unit weights) and optionally `lambda12` (G²RPO with the reference scripts' Λ = {1, 2}
-instead of the paper's {1, 2, 3}) and one of the smallest TPU slices that fit (`v5p8`, `v6e8`,
-`v5e16`; see SLICES; without one: v5p-16 and larger); e.g. `:dance_grpo,hps_clip`,
-`:g2rpo,hps,lambda12` or `:g2rpo,hps,v6e8`.
+instead of the paper's {1, 2, 3}), optionally a LoRA word (`lora32`, `lora128`: train rank-32 or
+-128 adapters on a frozen bf16 base instead of every parameter; see LORA) and one of the smallest
+TPU slices that fit (full fine-tuning: `v5p8`, `v6e8`, `v5e16`; LoRA only: `v6e4`, `v5e8`; see
+SLICES; without one: v5p-16 and larger); e.g. `:dance_grpo,hps_clip`, `:g2rpo,hps,lambda12`,
+`:g2rpo,hps,v6e8` or `:g2rpo,hps,lora32,v6e4`.
 
 Paths are fields: they all derive from `paths.root` (a gs:// placeholder), laid out as below;
 override the root, or any single path, on the command line. Every path may be local or gs://
@@ -76,21 +78,34 @@ FSDP_CHIPS = 8                   # chips sharing one copy of the parameters (mes
 # (prompts × 12 samples per call), which with all 16 prompts needs 117 GiB per chip on 8 chips.
 MICRO_BATCH_PROMPTS = {"singular": 0, "trajectory": 4}
 
-# The smallest slice of each TPU generation on which the paper's setting (full fine-tuning,
-# 16 prompts, Λ = {1,2,3}) compiles with rollout and update within 90% of HBM per chip, as
-# measured with benchmarks/tpu_aot.py (docs/tpu_memory.md, "The smallest slice"): the option
-# word sets the mesh's fsdp group, the moments' dtype and a cap on the continuation lanes.
+# LoRA (models/lora.py) by word: adapters of this rank on every target linear, alpha = 2 × rank,
+# the frozen base stored in bf16 (no fp32 master copy: nothing updates it) and Flow-GRPO's LoRA
+# learning rate (its config/base.py: 3e-4; adapters move much less per step than full weights).
+LORA = {"lora32": dict(rank=32, alpha=64.0), "lora128": dict(rank=128, alpha=256.0)}
+LORA_LEARNING_RATE = 3e-4
+
+# The smallest slice of each TPU generation on which the paper's setting (16 prompts) compiles
+# with rollout and update within 90% of HBM per chip, as measured with benchmarks/tpu_aot.py for
+# Λ = {1,2,3} and {1,2} (docs/tpu_memory.md, "The smallest slice"): the option word sets the
+# mesh's fsdp group, the moments' dtype and a cap on the continuation lanes; `lora_ranks` names
+# the adapter ranks a LoRA-only slice was measured with (None: full fine-tuning fits, and LoRA
+# with it). GiB per chip below are Λ = {1,2,3}'s rollout / update.
 SLICES = {
-    # v5p-8 (v5p:2x2x1, 4 chips, 95 GiB): fsdp over the 4 chips (rollout 52.0, update 62.5 GiB).
-    "v5p8": dict(fsdp=4, moments_dtype="float32", max_lanes=None),
-    # v6e-8 (v6e:2x4, 8 chips, 32 GiB): bf16 moments, one lane (rollout 16.2, update 24.9 GiB;
-    # 3 lanes take 29.7 GiB, 93%).
-    "v6e8": dict(fsdp=8, moments_dtype="bfloat16", max_lanes=1),
-    # v5e-16 (v5e:4x4, 16 chips, 16 GiB): fsdp 16, bf16 moments, one lane (rollout 8.7,
-    # update 13.5 GiB).
-    "v5e16": dict(fsdp=16, moments_dtype="bfloat16", max_lanes=1),
+    # v5p-8 (v5p:2x2x1, 4 chips, 95 GiB): fsdp over the 4 chips (52.0 / 62.5; LoRA 32.9 / 15.8).
+    "v5p8": dict(fsdp=4, moments_dtype="float32", max_lanes=None, lora_ranks=None),
+    # v6e-8 (v6e:2x4, 8 chips, 32 GiB): bf16 moments, one lane (16.2 / 24.9; 3 lanes take
+    # 29.7 GiB, 93%).
+    "v6e8": dict(fsdp=8, moments_dtype="bfloat16", max_lanes=1, lora_ranks=None),
+    # v5e-16 (v5e:4x4, 16 chips, 16 GiB): fsdp 16, bf16 moments, one lane (8.7 / 13.5).
+    "v5e16": dict(fsdp=16, moments_dtype="bfloat16", max_lanes=1, lora_ranks=None),
+    # v6e-4 (v6e:2x2, 4 chips): LoRA only, one lane (rank 32: 18.4 / 16.4; rank 128:
+    # 20.1 / 22.4). Full fine-tuning's fp32 weights, gradients and moments need ~34 GiB a chip.
+    "v6e4": dict(fsdp=4, moments_dtype="float32", max_lanes=1, lora_ranks=(32, 128)),
+    # v5e-8 (v5e:2x4, 8 chips): LoRA rank 32 only, one lane (13.6 / 8.8); rank 128 takes
+    # 15.2 GiB (95%) in the rollout.
+    "v5e8": dict(fsdp=8, moments_dtype="float32", max_lanes=1, lora_ranks=(32,)),
 }
-OPTIONS = ("lambda12",) + tuple(SLICES)
+OPTIONS = ("lambda12",) + tuple(LORA) + tuple(SLICES)
 
 PLACEHOLDER_ROOT = "gs://YOUR_BUCKET/flux"
 
@@ -122,9 +137,19 @@ def parse_argument(argument: str | None) -> tuple[str, str, tuple[str, ...]]:
                              f"{chosen[kind]}.")
     algorithm = (chosen["algorithm"] or ["g2rpo"])[0]
     options = tuple(chosen["option"])
-    if len([o for o in options if o in SLICES]) > 1:
-        raise ValueError(f"The config argument {argument!r} names several TPU slices: "
-                         f"{[o for o in options if o in SLICES]}.")
+    for table, what in ((SLICES, "TPU slices"), (LORA, "LoRA ranks")):
+        if len([o for o in options if o in table]) > 1:
+            raise ValueError(f"The config argument {argument!r} names several {what}: "
+                             f"{[o for o in options if o in table]}.")
+    for word in (o for o in options if o in SLICES and SLICES[o]["lora_ranks"]):
+        ranks = SLICES[word]["lora_ranks"]
+        lora_word = next((o for o in options if o in LORA), None)
+        if lora_word is None or LORA[lora_word]["rank"] not in ranks:
+            fits = ", ".join(f"lora{r}" for r in ranks)
+            raise ValueError(
+                f"The slice {word!r} fits LoRA only, measured with ranks {list(ranks)} "
+                f"(docs/tpu_memory.md, \"The smallest slice\"); the argument {argument!r} asks "
+                f"for {lora_word or 'full fine-tuning'}. Add {fits}, or pick a larger slice.")
     if "lambda12" in options and algorithms.PRESETS[algorithm]["rollout"] != "singular":
         raise ValueError(f"lambda12 sets G²RPO's granularities; {algorithm!r} has none.")
     return algorithm, (chosen["reward"] or ["hps"])[0], options
@@ -154,12 +179,18 @@ def get_config(argument: str = "g2rpo,hps"):
     # the platform's fused attention (splash on TPU; the memory bounds above assume it).
     config.model = config_lib.flux_model_config(dtype="bfloat16", param_dtype="float32",
                                                 remat_policy="full", attention="auto")
+    lora_word = next((o for o in options if o in LORA), None)
+    if lora_word:
+        config.model.lora.rank = LORA[lora_word]["rank"]
+        config.model.lora.alpha = LORA[lora_word]["alpha"]
+        config.model.param_dtype = "bfloat16"
     config.algorithm = algorithm_config(algorithm, options)
     config.sampling.num_steps = NUM_STEPS
     config.sampling.shift = SHIFT
     config.sampling.guidance = GUIDANCE
     config.sampling.quantize_timesteps = False
-    config.optimizer = config_lib.optimizer_config(learning_rate=2e-6)
+    config.optimizer = config_lib.optimizer_config(
+        learning_rate=LORA_LEARNING_RATE if lora_word else 2e-6)
     # The reference code's one optimizer step per trained k (0 = one accumulated step).
     config.policy_update.steps_per_update = 1
     config.policy_update.micro_batch_prompts = MICRO_BATCH_PROMPTS[config.algorithm.rollout]
@@ -172,7 +203,8 @@ def get_config(argument: str = "g2rpo,hps"):
     config.train.num_iterations = NUM_ITERATIONS
     config.train.prompts_per_iteration = PROMPTS_PER_ITERATION
     # Spot / preemptible slices: a checkpoint every 10 iterations (and one on SIGTERM); the
-    # two newest are kept (params + AdamW moments in float32: 142.8 GB each).
+    # two newest are kept (params + AdamW moments in float32: 142.8 GB each; with LoRA the
+    # adapters and their moments only).
     config.train.checkpoint_every = 10
     config.train.checkpoints_to_keep = 2
     names, weights = REWARDS[reward]
@@ -193,7 +225,8 @@ def get_config(argument: str = "g2rpo,hps"):
     config.mesh.tensor = 1
     # Without a slice word: v5p-16 and larger (fsdp 8, fp32 moments, the most lanes).
     tpu_slice = next((SLICES[o] for o in options if o in SLICES),
-                     dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None))
+                     dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None,
+                          lora_ranks=None))
     config.mesh.fsdp = tpu_slice["fsdp"]
     config.optimizer.moments_dtype = tpu_slice["moments_dtype"]
     if tpu_slice["max_lanes"] and config.algorithm.rollout == "singular":

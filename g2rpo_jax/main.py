@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from g2rpo_jax import checkpoint, config_lib, parallel, storage
-from g2rpo_jax.models import flux, flux_weights
+from g2rpo_jax.models import flux, flux_weights, lora
 
 _CONFIG = config_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (created if missing).")
@@ -89,6 +89,15 @@ def describe(config, workdir: str, mesh, rules) -> dict:
     per_device = sum(row["bytes_per_device"] for row in rows) / 2**20
     report["parameter_mib_per_device"] = per_device
     logging.info("Parameters per device: %.1f MiB.", per_device)
+    lora_config = lora.LoRAConfig.from_config(config.model.get("lora"))
+    if lora_config.enabled:   # the trained part: adapters, their gradients and AdamW moments
+        adapters = nnx.state(lora.wrap(flux.abstract_model(cfg, rules), lora_config),
+                             nnx.LoRAParam)
+        report["lora"] = {"rank": lora_config.rank, "alpha": lora_config.alpha,
+                          "parameters": sum(x.size for x in jax.tree.leaves(adapters))}
+        logging.info("LoRA rank %d (alpha %g) on %d target linears of every block: %s trained "
+                     "parameters; the base above is frozen.", lora_config.rank, lora_config.alpha,
+                     len(lora_config.targets), f"{report['lora']['parameters']:,}")
 
     if config.describe.forward:
         start = time.perf_counter()

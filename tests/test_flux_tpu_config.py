@@ -102,6 +102,28 @@ def test_slice_words_select_the_fitted_setting(argument, fsdp, moments, lanes):
     assert config.policy_update.offload_optimizer_state is True
 
 
+@pytest.mark.parametrize("argument,fsdp,lanes,rank", [
+    ("g2rpo,lora32,v6e4", 4, 1, 32), ("g2rpo,lora128,v6e4", 4, 1, 128),
+    ("g2rpo,lora32,v5e8", 8, 1, 32), ("g2rpo,lambda12,lora32,v5p8", 4, 4, 32),
+    ("g2rpo,lora128", 8, 3, 128)])
+def test_lora_words_select_adapters_on_a_bf16_base(argument, fsdp, lanes, rank):
+    """docs/tpu_memory.md, "The smallest slice", measured with these settings: LoRA of rank 32
+    fits a v6e-4 and a v5e-8 with one lane, rank 128 a v6e-4; the frozen base is bf16, alpha
+    is twice the rank and the learning rate Flow-GRPO's LoRA default."""
+    config = load(argument)
+    assert (config.model.lora.rank, config.model.lora.alpha) == (rank, 2.0 * rank)
+    assert config.model.param_dtype == "bfloat16" and config.model.dtype == "bfloat16"
+    assert config.optimizer.learning_rate == 3e-4
+    assert config.mesh.fsdp == fsdp
+    assert algorithms.Algorithm.from_config(config.algorithm).max_lanes == lanes
+
+
+def test_full_fine_tuning_keeps_float32_weights():
+    config = load("g2rpo,v6e8")
+    assert config.model.lora.rank == 0 and config.model.param_dtype == "float32"
+    assert config.optimizer.learning_rate == 2e-6
+
+
 def test_baselines_keep_their_own_settings():
     dance = load("dance_grpo").algorithm
     assert (dance.rollout, dance.sde_step, dance.eta, dance.train_fraction) == \
@@ -137,6 +159,9 @@ def test_defaults_and_paths():
     ("g2rpo,dance_grpo", "several algorithms"),
     ("dance_grpo,lambda12", "lambda12 sets G²RPO's granularities"),
     ("g2rpo,v5p8,v6e8", "several TPU slices"),
+    ("g2rpo,lora32,lora128", "several LoRA ranks"),
+    ("g2rpo,v6e4", "'v6e4' fits LoRA only.*full fine-tuning.*Add lora32, lora128"),
+    ("g2rpo,lora128,v5e8", "'v5e8' fits LoRA only, measured with ranks \\[32\\].*lora128"),
 ])
 def test_bad_arguments(argument, message):
     with pytest.raises(ValueError, match=message):
@@ -155,3 +180,22 @@ def test_describe_runs_on_this_cpu(tmp_path):
     assert 11.8e9 < report["parameters"] < 12.0e9
     # fp32 FLUX.1-dev split 8 ways: under 6 GiB of parameters per device.
     assert report["parameter_mib_per_device"] < 6 * 1024
+
+
+def test_describe_counts_the_lora_adapters(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    result = subprocess.run(
+        [sys.executable, "-m", "g2rpo_jax.main", "--config=configs/flux_tpu.py:g2rpo,lora32,v6e4",
+         f"--workdir={tmp_path}", "--config.mode=describe", "--config.describe.forward=False"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "describe.json").read_text())
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    # Rank r adapters hold r × (fan in + fan out) per target linear. Hidden h = 3,072, MLP 4h:
+    # a double block's two streams have q, k, v, out (2h each) and fc1, fc2 (5h each), 36h; a
+    # single block q, k, v, out_attn (2h each), mlp_in and out_mlp (5h each), 18h.
+    hidden = 3072
+    assert report["lora"] == {"rank": 32, "alpha": 64.0,
+                              "parameters": 32 * (19 * 36 + 38 * 18) * hidden}
+    # The frozen base is bf16: 11.9B × 2 bytes over the 4 chips of an fsdp group.
+    assert 5.4 * 1024 < report["parameter_mib_per_device"] < 5.7 * 1024

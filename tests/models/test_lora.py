@@ -93,6 +93,29 @@ def test_gradients_reach_only_the_adapters(checkpoint):
     assert loss_fn(new_adapters, frozen) != loss_fn(adapters, frozen)
 
 
+def test_a_bfloat16_base_trains_float32_adapters():
+    """The frozen base may be stored in bf16 (`model.param_dtype`); the adapters stay float32,
+    zero B still gives the base's outputs exactly, and their gradients are float32."""
+    cfg = flux.FluxConfig(**SHAPE, dtype="bfloat16", param_dtype="bfloat16")
+    model = flux.Flux(cfg, rngs=nnx.Rngs(0))
+    inputs = _inputs()
+    base = np.asarray(model(**inputs).astype(jnp.float32))
+    lora.apply(model, CFG, 0)
+    graphdef, adapters, frozen = nnx.split(model, lora.LoRAParam, ...)
+    assert {x.dtype for x in jax.tree.leaves(frozen) if x.ndim > 1} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_array_equal(np.asarray(model(**inputs).astype(jnp.float32)), base)
+
+    def loss_fn(adapters):
+        return jnp.mean(nnx.merge(graphdef, adapters, frozen)(**inputs).astype(jnp.float32) ** 2)
+
+    grads = jax.grad(loss_fn)(adapters)
+    b_grads = [np.asarray(g[...]) for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert len(b_grads) == len(lora.TARGETS) and all(np.isfinite(g).all() for g in b_grads)
+    assert sum(np.abs(g).max() > 0 for g in b_grads) >= len(lora.TARGETS) // 2
+
+
 def test_diffusers_reads_our_adapters(checkpoint, tmp_path):
     """diffusers' load_lora_adapter (PEFT) on our exported file gives our outputs."""
     directory, torch_model = checkpoint
