@@ -59,14 +59,16 @@ def held_out_curve(workdir: str) -> dict[int, dict[str, float]]:
 
 
 def trained_parameters(workdir: str) -> int | None:
-    """Parameters the run trained, from the file the main job writes for LoRA runs
-    (lora.safetensors) or the full generator (generator.safetensors)."""
+    """Parameters the run trained, from the file the main job writes: the adapters of a LoRA
+    run (lora.safetensors), else the policy's tensors ("flux.*") of generator.safetensors (its
+    text encoder is frozen)."""
     from safetensors import safe_open
-    for name in ("lora.safetensors", "generator.safetensors"):
+    for name, prefix in (("lora.safetensors", ""), ("generator.safetensors", "flux.")):
         path = os.path.join(workdir, name)
         if os.path.exists(path):
             with safe_open(path, framework="numpy") as f:
-                return int(sum(np.prod(f.get_slice(k).get_shape()) for k in f.keys()))
+                return int(sum(np.prod(f.get_slice(k).get_shape()) for k in f.keys()
+                               if k.startswith(prefix)))
     return None
 
 
@@ -96,21 +98,24 @@ def train(workdir: str, seed: int, setting: dict | None) -> dict:
 
 
 def table(records: list[dict]) -> str:
-    """Markdown: held-out in_domain per evaluation iteration, mean ± std over seeds."""
+    """Markdown: held-out in_domain per evaluation iteration and the final − base change of
+    each score, mean ± std over seeds."""
     names = list(dict.fromkeys(r["name"] for r in records))
     steps = sorted({int(s) for r in records for s in r["curve"]})
     lines = ["| run | seeds | trained params | " + " | ".join(f"it {s}" for s in steps)
-             + " | final − base |",
-             "|---|---:|---:|" + "---:|" * len(steps) + "---:|"]
+             + " | " + " | ".join(f"{score} final − base" for score in SCORES) + " |",
+             "|---|---:|---:|" + "---:|" * (len(steps) + len(SCORES))]
     for name in names:
         runs = [r for r in records if r["name"] == name]
         cells = []
         for step in steps:
             values = [r["curve"][str(step)]["in_domain"] for r in runs if str(step) in r["curve"]]
             cells.append(f"{np.mean(values):.3f} ± {np.std(values):.3f}" if values else "")
-        gains = [r["final"]["in_domain"] - r["base"]["in_domain"] for r in runs]
+        for score in SCORES:
+            gains = [r["final"][score] - r["base"][score] for r in runs]
+            cells.append(f"{np.mean(gains):+.3f} ± {np.std(gains):.3f}")
         lines.append(f"| {name} | {len(runs)} | {runs[0]['trained_parameters'] or ''} | "
-                     + " | ".join(cells) + f" | {np.mean(gains):+.3f} ± {np.std(gains):.3f} |")
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -168,14 +168,19 @@ def test_bad_arguments(argument, message):
         load(argument)
 
 
-def test_describe_runs_on_this_cpu(tmp_path):
+def describe(workdir, argument: str) -> dict:
+    """`main --config.mode=describe` for configs/flux_tpu.py:ARGUMENT on 8 CPU devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
     result = subprocess.run(
-        [sys.executable, "-m", "g2rpo_jax.main", "--config=configs/flux_tpu.py:g2rpo,hps_clip",
-         f"--workdir={tmp_path}", "--config.mode=describe", "--config.describe.forward=False"],
+        [sys.executable, "-m", "g2rpo_jax.main", f"--config=configs/flux_tpu.py:{argument}",
+         f"--workdir={workdir}", "--config.mode=describe", "--config.describe.forward=False"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "describe.json").read_text())
+    return json.loads((workdir / "describe.json").read_text())
+
+
+def test_describe_runs_on_this_cpu(tmp_path):
+    report = describe(tmp_path, "g2rpo,hps_clip")
     assert report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     assert 11.8e9 < report["parameters"] < 12.0e9
     # fp32 FLUX.1-dev split 8 ways: under 6 GiB of parameters per device.
@@ -183,13 +188,7 @@ def test_describe_runs_on_this_cpu(tmp_path):
 
 
 def test_describe_counts_the_lora_adapters(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
-    result = subprocess.run(
-        [sys.executable, "-m", "g2rpo_jax.main", "--config=configs/flux_tpu.py:g2rpo,lora32,v6e4",
-         f"--workdir={tmp_path}", "--config.mode=describe", "--config.describe.forward=False"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "describe.json").read_text())
+    report = describe(tmp_path, "g2rpo,lora32,v6e4")
     assert report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
     # Rank r adapters hold r × (fan in + fan out) per target linear. Hidden h = 3,072, MLP 4h:
     # a double block's two streams have q, k, v, out (2h each) and fc1, fc2 (5h each), 36h; a
