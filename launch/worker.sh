@@ -89,8 +89,9 @@ if ((detach)); then
   rm -f "$status_file"
   setsid nohup bash "$0" "${rest[@]}" >/dev/null 2>&1 </dev/null &
   starter=$!
-  # Return once the job holds the lock, so that a --status right after says running.
-  for _ in $(seq 100); do
+  # Return once the job holds the lock, so that a --status right after says running (up to
+  # 60 s: a loaded VM may take seconds to start a process).
+  for _ in $(seq 600); do
     lock_is_free || break
     kill -0 "$starter" 2>/dev/null || break
     sleep 0.1

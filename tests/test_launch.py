@@ -397,7 +397,7 @@ def test_worker_detached_job_runs_alone_and_reports_preemption(worker_home):
     job = ("trap 'echo \"SIGTERM (preemption): saved iteration 4 to ckpt\"; exit 0' TERM; "
            "echo training; while :; do sleep 0.1; done")
     result = worker(worker_home, "--job=train", f"--log-url={logs}", "--worker-index=0",
-                    "--sync-seconds=1", "--detach", "--", "bash", "-c", job, timeout=20)
+                    "--sync-seconds=1", "--detach", "--", "bash", "-c", job, timeout=90)
     assert result.returncode == 0 and "started train" in result.stdout, result.stderr
     assert status(worker_home) == "running"
     second = worker(worker_home, "--job=train", f"--log-url={logs}", "--detach", "--", "true")
