@@ -48,13 +48,12 @@ def run_name(setting: dict | None) -> str:
 
 def held_out_curve(workdir: str) -> dict[int, dict[str, float]]:
     """{iteration: {score: value}} from the run's metrics.jsonl (the eval/* rows)."""
+    from g2rpo_jax import metrics
     curve = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            scores = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/")}
-            if scores:
-                curve.setdefault(int(row["step"]), {}).update(scores)
+    for row in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+        scores = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/")}
+        if scores:
+            curve.setdefault(int(row["step"]), {}).update(scores)
     return curve
 
 

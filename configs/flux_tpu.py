@@ -105,6 +105,8 @@ SLICES = {
     # 15.2 GiB (95%) in the rollout.
     "v5e8": dict(fsdp=8, moments_dtype="float32", max_lanes=1, lora_ranks=(32,)),
 }
+# Without a slice word: v5p-16 and larger (fsdp 8, fp32 moments, the most lanes).
+LARGER_SLICES = dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None, lora_ranks=None)
 OPTIONS = ("lambda12",) + tuple(LORA) + tuple(SLICES)
 
 PLACEHOLDER_ROOT = "gs://YOUR_BUCKET/flux"
@@ -223,10 +225,7 @@ def get_config(argument: str = "g2rpo,hps"):
     # over replicas, while the continuation's big calls (prompts × lanes × G) use every chip.
     config.mesh.data = -1
     config.mesh.tensor = 1
-    # Without a slice word: v5p-16 and larger (fsdp 8, fp32 moments, the most lanes).
-    tpu_slice = next((SLICES[o] for o in options if o in SLICES),
-                     dict(fsdp=FSDP_CHIPS, moments_dtype="float32", max_lanes=None,
-                          lora_ranks=None))
+    tpu_slice = next((SLICES[o] for o in options if o in SLICES), LARGER_SLICES)
     config.mesh.fsdp = tpu_slice["fsdp"]
     config.optimizer.moments_dtype = tpu_slice["moments_dtype"]
     if tpu_slice["max_lanes"] and config.algorithm.rollout == "singular":

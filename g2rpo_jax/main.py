@@ -70,7 +70,14 @@ def describe(config, workdir: str, mesh, rules) -> dict:
     """Reports parameters, shardings and (optionally) one forward pass's compile/run time."""
     cfg = config_lib.to_flux_config(config.model)
     flux.validate_mesh(cfg, mesh)
-    _, abstract_state = nnx.split(flux.abstract_model(cfg, rules))
+    model = flux.abstract_model(cfg, rules)
+    lora_config = lora.LoRAConfig.from_config(config.model.get("lora"))
+    adapters = None
+    if lora_config.enabled:   # the trained part: adapters, their gradients and AdamW moments
+        _, adapters, abstract_state = nnx.split(lora.wrap(model, lora_config), nnx.LoRAParam,
+                                                ...)
+    else:
+        _, abstract_state = nnx.split(model)
     leaves = jax.tree.leaves(abstract_state)
     num_params = sum(x.size for x in leaves)
     num_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
@@ -89,10 +96,7 @@ def describe(config, workdir: str, mesh, rules) -> dict:
     per_device = sum(row["bytes_per_device"] for row in rows) / 2**20
     report["parameter_mib_per_device"] = per_device
     logging.info("Parameters per device: %.1f MiB.", per_device)
-    lora_config = lora.LoRAConfig.from_config(config.model.get("lora"))
-    if lora_config.enabled:   # the trained part: adapters, their gradients and AdamW moments
-        adapters = nnx.state(lora.wrap(flux.abstract_model(cfg, rules), lora_config),
-                             nnx.LoRAParam)
+    if adapters is not None:
         report["lora"] = {"rank": lora_config.rank, "alpha": lora_config.alpha,
                           "parameters": sum(x.size for x in jax.tree.leaves(adapters))}
         logging.info("LoRA rank %d (alpha %g) on %d target linears of every block: %s trained "
