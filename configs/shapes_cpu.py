@@ -14,7 +14,7 @@ from g2rpo_jax.rl import algorithms
 # Sized for 2 CPU cores: T = 10 steps, 16 prompts × groups of 8 per iteration, G²RPO branches
 # at the first 4 steps (the first half of the schedule is where the paper branches).
 NUM_STEPS = 10
-CPU_ALGORITHM = dict(group_size=8, branch_steps=(0, 1, 2, 3), clip_range=0.2, eta=0.7)
+CPU_ALGORITHM = dict(group_size=8, branch_steps=(0, 1, 2, 3), clip_range=0.2)
 
 
 def get_config(algorithm: str = "g2rpo"):

@@ -15,6 +15,7 @@ from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import config_lib, generator, held_out, parallel, pretrain, train
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax.models import state_io
+from g2rpo_jax.rl import algorithms
 
 
 def short_rl_config(data_dir, algorithm="g2rpo", iterations=2):
@@ -185,6 +186,17 @@ def test_every_algorithm_runs(tmp_path, data_dir, mesh, algorithm):
     (row,) = [r for r in rows if "train/loss" in r]
     assert np.isfinite(row["train/loss"]) and row["train/first_update_log_ratio_abs_max"] < 1e-5
     assert (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("algorithm", sorted(algorithms.PRESETS))
+def test_cpu_config_keeps_each_presets_sde_and_update_settings(algorithm):
+    """configs/shapes_cpu.py sizes every algorithm alike (group, branch steps, clip range) and
+    keeps what defines it: DanceGRPO's η 0.3 SDE step, Flow-GRPO's KL, MixGRPO's window."""
+    section = config_lib.load_config("shapes_cpu.py", algorithm).algorithm
+    preset = algorithms.preset(algorithm)
+    sized = {"group_size", "branch_steps", "clip_range", "window_shift_every"}
+    for field in set(preset) - sized:
+        assert section[field] == preset[field], field
 
 
 def test_shipped_base_beats_a_random_generator_on_held_out_prompts(mesh):
