@@ -4,6 +4,7 @@ equal iterations and under equal transformer calls.
   python benchmarks/compare_algorithms.py --workdir=DIR
       [--seeds=0,1,2] [--methods=g2rpo,g2rpo_lambda12,...] [--budgets=equal_iterations,equal_calls]
       [--config=configs/shapes_cpu.py] [--iterations=16]
+  python benchmarks/compare_algorithms.py --report_only   # the .md and .png of the runs so far
 
 Every run trains from the shipped base with the config file's settings (the main job's); only
 the algorithm (a preset, with Λ where the name says so), the seed and the number of iterations
@@ -124,17 +125,14 @@ def _flag(value) -> str:
 
 def train(workdir: str, config_path: str, seed: int, run: dict) -> dict:
     summary_path = os.path.join(workdir, "summary.json")
-    wall = None
     if not os.path.exists(summary_path):
         preset, _ = METHODS[run["method"]]
         command = [sys.executable, "-m", "g2rpo_jax.main", f"--config={config_path}:{preset}",
                    f"--workdir={workdir}", f"--config.seed={seed}"]
         command += [f"--config.{k}={_flag(v)}" for k, v in run["overrides"].items()]
         print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command[1:])}", flush=True)
-        began = time.perf_counter()
         result = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
-        wall = round(time.perf_counter() - began, 1)
         if result.returncode != 0:
             sys.exit(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
     with open(summary_path) as f:
@@ -147,7 +145,7 @@ def train(workdir: str, config_path: str, seed: int, run: dict) -> dict:
                 transformer_calls=run["iterations"] * run["calls_per_iteration"],
                 calls_per_iteration=run["calls_per_iteration"],
                 base=summary["base"], final=summary["final"],
-                wall_s=wall if wall is not None else round(summary["seconds"], 1),
+                wall_s=round(summary["timing"]["wall_s"], 1),   # the job's own, set-up included
                 curve=held_out_curve(workdir, run["calls_per_iteration"]))
 
 
@@ -159,7 +157,9 @@ def _gain(record: dict, score: str = "in_domain") -> float:
 
 
 def _mean_std(values) -> str:
-    return f"{np.mean(values):+.3f} ± {np.std(values, ddof=1) if len(values) > 1 else 0:.3f}"
+    if len(values) < 2:
+        return f"{np.mean(values):+.3f}"
+    return f"{np.mean(values):+.3f} ± {np.std(values, ddof=1):.3f}"
 
 
 def paired_difference(records: list[dict], method: str, budget: str,
@@ -257,7 +257,7 @@ def _list(text: str, known, what: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", required=True, help="where the runs live (kept, resumable)")
+    parser.add_argument("--workdir", help="where the runs live (kept, resumable)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--budgets", default=",".join(BUDGETS))
@@ -265,7 +265,18 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=16, help="equal-iterations length")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "compare_algorithms.json"))
+    parser.add_argument("--report_only", action="store_true",
+                        help="write the .md and .png of the runs already in --out, train nothing")
     args = parser.parse_args()
+    stem = os.path.splitext(args.out)[0]
+    if args.report_only:
+        with open(args.out) as f:
+            recorded = json.load(f)
+        write_report(recorded["runs"], recorded["command"], stem)
+        return
+    if not args.workdir:
+        raise SystemExit("--workdir is required: the folder where the runs live (kept, so that "
+                         "a stopped sweep continues).")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if not seeds:
         raise SystemExit("--seeds is empty: give at least one seed, e.g. --seeds=0.")
@@ -278,7 +289,6 @@ def main() -> None:
     command = ("python benchmarks/compare_algorithms.py --workdir=DIR "
                f"--seeds={args.seeds} --iterations={args.iterations} --config={args.config} "
                f"--methods={','.join(methods)} --budgets={','.join(budgets)}")
-    stem = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     records = []
     for seed in seeds:          # seed-major: a sweep stopped early holds whole comparisons
@@ -288,6 +298,10 @@ def main() -> None:
             records.append(train(workdir, args.config, seed, run))
             with open(args.out, "w") as f:
                 json.dump(dict(command=command, config=args.config, runs=records), f, indent=1)
+    write_report(records, command, stem)
+
+
+def write_report(records: list[dict], command: str, stem: str) -> None:
     text = report(records, command)
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")

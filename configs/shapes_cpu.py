@@ -4,7 +4,7 @@
   python -m g2rpo_jax.main --config=configs/shapes_cpu.py:dance_grpo --workdir=DIR
 
 Algorithms: g2rpo (default), g2rpo_no_mgai, dance_grpo, flow_grpo, mix_grpo (same machinery,
-same budget of prompts and group size). Runs in minutes on 2 CPU cores; docs/results.md has
+same budget of prompts and group size; each keeps its own SDE step, η, trained steps and KL). Runs in minutes on 2 CPU cores; docs/results.md has
 the base → final scores and the settings tried around these.
 """
 
@@ -12,7 +12,9 @@ from g2rpo_jax import config_lib, generator
 from g2rpo_jax.rl import algorithms
 
 # Sized for 2 CPU cores: T = 10 steps, 16 prompts × groups of 8 per iteration, G²RPO branches
-# at the first 4 steps (the first half of the schedule is where the paper branches).
+# at the first 4 steps (the first half of the schedule is where the paper branches). The clip
+# range (PPO's 0.2) only acts when an iteration takes several optimizer steps
+# (policy_update.steps_per_update), off-policy after the first.
 NUM_STEPS = 10
 CPU_ALGORITHM = dict(group_size=8, branch_steps=(0, 1, 2, 3), clip_range=0.2)
 

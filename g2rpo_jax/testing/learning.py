@@ -2,11 +2,11 @@
 
 `fixed_prompt_run` trains the shipped shapes base for a few iterations on one batch: the same
 prompts, starting noise and SDE noise every iteration (the library's own rollout, advantage and
-update programs, as `train.py` calls them), and returns the batch's mean training reward after
-each update. Overfitting one batch is the fastest learning the embedded world shows: with fresh
-noise every iteration a gradient from 8 prompts is nearly all noise
-(`benchmarks/gradient_consistency.py`: same-prompt cosine about 0), with fixed noise the
-reward climbs within a few updates. The controls that `benchmarks/learning_signal.py` measures
+update programs, as `train.py` calls them), and returns the batch's mean training reward before
+the first update and after each. Overfitting one batch is the fastest learning the embedded world
+shows: with fresh noise every iteration a gradient from 8 prompts is nearly all noise
+(`benchmarks/gradient_consistency.py`: same-prompt cosine about 0), with fixed noise the reward
+climbs within a few updates. The controls that `benchmarks/learning_signal.py` measures
 and the test's margin is set from: `reward_scale` multiplies the rewards before the advantages
 (−1 flips the objective, 0 removes it), and `shuffle_rewards` permutes each prompt's rewards
 among its samples every iteration (updates of the same size that carry no signal: the gain's
