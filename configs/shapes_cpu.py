@@ -4,8 +4,9 @@
   python -m g2rpo_jax.main --config=configs/shapes_cpu.py:dance_grpo --workdir=DIR
 
 Algorithms: g2rpo (default), g2rpo_no_mgai, dance_grpo, flow_grpo, mix_grpo (same machinery,
-same budget of prompts and group size; each keeps its own SDE step, η, trained steps and KL). Runs in minutes on 2 CPU cores; docs/results.md has
-the base → final scores and the settings tried around these.
+same budget of prompts and group size; each keeps its own SDE step, η, trained steps and KL).
+Runs in minutes on 2 CPU cores; docs/results.md has the base → final scores, the settings
+tried around these and the algorithms compared.
 """
 
 from g2rpo_jax import config_lib, generator

@@ -59,7 +59,8 @@ def fixed_prompt_run(algorithm: str, mesh, *, seed: int = 0, reward_scale: float
                      **setting) -> list[float]:
     """Trains `algorithm` from the shipped base on one batch of `prompts` and returns its mean
     training reward (in_domain, unscaled) before the first update and after each of the
-    `iterations` updates: [iterations + 1]. `setting` overrides `SETTING`'s fields."""
+    `iterations` updates: [iterations + 1]. `setting` overrides `SETTING`'s fields. One
+    process (the host's rewards are taken as the whole batch's)."""
     setting = {**SETTING, **setting}
     iterations = setting.pop("iterations")
     prompts = list(prompts or fixed_prompts())
