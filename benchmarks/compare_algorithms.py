@@ -18,8 +18,9 @@ change:
                     them, × prompts per iteration), rounded to the nearest iteration.
 
 Each run lives in DIR/<method>_it<iterations>_seed<k> (so plain `g2rpo`'s run serves both
-budgets); one whose summary.json exists is read, not run again, and one that was killed resumes
-from its last checkpoint, so the sweep may span several sittings. Writes `--out` (default benchmarks/results/compare_algorithms.json: one record per
+budgets); one whose summary.json exists is read, not run again, one already recorded in `--out`
+(same config) is kept without its folder, and one that was killed resumes from its last
+checkpoint, so the sweep may span several sittings and machines. Writes `--out` (default benchmarks/results/compare_algorithms.json: one record per
 method × seed × budget), a Markdown report beside it (`.md`: mean ± std over seeds, the Λ
 ablation, paired differences against `g2rpo` with 95% t intervals) and the held-out in_domain
 against transformer calls as a PNG (`.png`).
@@ -290,15 +291,32 @@ def main() -> None:
                f"--seeds={args.seeds} --iterations={args.iterations} --config={args.config} "
                f"--methods={','.join(methods)} --budgets={','.join(budgets)}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    kept = recorded_runs(args.out, args.config)
     records = []
     for seed in seeds:          # seed-major: a sweep stopped early holds whole comparisons
         for run in runs:
             workdir = os.path.join(args.workdir,
                                    f"{run['method']}_it{run['iterations']}_seed{seed}")
-            records.append(train(workdir, args.config, seed, run))
+            record = kept.get((run["method"], seed, run["budget"], run["iterations"]))
+            if record is None or os.path.exists(os.path.join(workdir, "summary.json")):
+                record = train(workdir, args.config, seed, run)
+            records.append(record)
             with open(args.out, "w") as f:
                 json.dump(dict(command=command, config=args.config, runs=records), f, indent=1)
     write_report(records, command, stem)
+
+
+def recorded_runs(path: str, config_path: str) -> dict:
+    """The records already in `path` from the same config, by (method, seed, budget,
+    iterations): a sweep continued on another machine (without the earlier workdirs) keeps
+    them instead of training them again."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        recorded = json.load(f)
+    if recorded.get("config") != config_path:
+        return {}
+    return {(r["method"], r["seed"], r["budget"], r["iterations"]): r for r in recorded["runs"]}
 
 
 def write_report(records: list[dict], command: str, stem: str) -> None:

@@ -1,6 +1,7 @@
 """benchmarks/compare_algorithms.py's bookkeeping: the equal-calls budget, the paired differences
 and the report, on hand-made records (the sweep itself is a benchmark, not a test)."""
 
+import json
 import math
 import os
 import sys
@@ -79,3 +80,13 @@ def test_report_and_plot(tmp_path):
     assert "| {1, 2} |" in text and "| {1, 2, 3} |" in text
     compare_algorithms.plot(records, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_recorded_runs_are_kept_only_for_the_same_config(tmp_path):
+    path = tmp_path / "runs.json"
+    record = _record("g2rpo", 0, 0.35)
+    path.write_text(json.dumps(dict(config=CONFIG, runs=[record])))
+    kept = compare_algorithms.recorded_runs(str(path), CONFIG)
+    assert kept == {("g2rpo", 0, "equal_iterations", 16): record}
+    assert compare_algorithms.recorded_runs(str(path), "configs/other.py") == {}
+    assert compare_algorithms.recorded_runs(str(tmp_path / "missing.json"), CONFIG) == {}
