@@ -28,7 +28,7 @@ from g2rpo_jax.tasks import shapes as shapes_task
 # 8 training prompts, evenly spaced over the sorted train split (count and relation prompts).
 NUM_PROMPTS = 8
 # The fixed small setting: 6 ODE/SDE steps, groups of 8, G²RPO branching at k ∈ {0, 1, 2},
-# AdamW at 5e-5 (2e-4 overshoots: the reward climbs for 4 updates, then collapses).
+# AdamW at 5e-5 (2e-4 overshoots: the reward peaks after 2–4 updates, then collapses).
 SETTING = dict(num_steps=6, group_size=8, branch_steps=(0, 1, 2), learning_rate=5e-5,
                iterations=8)
 
