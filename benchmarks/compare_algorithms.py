@@ -20,10 +20,11 @@ change:
 Each run lives in DIR/<method>_it<iterations>_seed<k> (so plain `g2rpo`'s run serves both
 budgets); one whose summary.json exists is read, not run again, one already recorded in `--out`
 (same config) is kept without its folder, and one that was killed resumes from its last
-checkpoint, so the sweep may span several sittings and machines. Writes `--out` (default benchmarks/results/compare_algorithms.json: one record per
-method × seed × budget), a Markdown report beside it (`.md`: mean ± std over seeds, the Λ
-ablation, paired differences against `g2rpo` with 95% t intervals) and the held-out in_domain
-against transformer calls as a PNG (`.png`).
+checkpoint, so the sweep may span several sittings and machines. Writes `--out` (default
+benchmarks/results/compare_algorithms.json: one record per method × seed × budget), a Markdown
+report beside it (`.md`: mean ± std over seeds, the Λ ablation, paired differences against
+`g2rpo` with 95% t intervals) and the held-out in_domain against transformer calls as a PNG
+(`.png`).
 """
 
 import argparse
@@ -35,6 +36,7 @@ import sys
 import time
 
 import numpy as np
+from scipy import stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCORES = ("in_domain", "out_of_domain", "quality")
@@ -55,9 +57,6 @@ METHODS = {
 ABLATION = (("g2rpo_no_mgai", "{1}"), ("g2rpo_lambda12", "{1, 2}"),
             ("g2rpo_lambda13", "{1, 3}"), ("g2rpo", "{1, 2, 3}"))
 EVALUATIONS_PER_RUN = 4
-# Two-sided 95% Student t quantiles by degrees of freedom.
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262, 10: 2.228}
 
 
 def method_overrides(method: str) -> dict:
@@ -111,13 +110,9 @@ def plan_runs(config_path: str, methods, budgets, iterations: int) -> list[dict]
 def held_out_curve(workdir: str, calls_per_iter: int) -> list[dict]:
     """[{iteration, calls, score: value...}] from the run's metrics.jsonl eval/* rows."""
     from g2rpo_jax import metrics
-    curve = {}
-    for row in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
-        scores = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/")}
-        if scores:
-            curve.setdefault(int(row["step"]), {}).update(scores)
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     return [dict(iteration=step, calls=step * calls_per_iter, **scores)
-            for step, scores in sorted(curve.items())]
+            for step, scores in metrics.by_step(rows, "eval/").items()]
 
 
 def _flag(value) -> str:
@@ -173,7 +168,7 @@ def paired_difference(records: list[dict], method: str, budget: str,
         return None
     diffs = np.array([by_seed[(method, s)]["final"]["in_domain"]
                       - by_seed[(reference, s)]["final"]["in_domain"] for s in seeds])
-    half = T95.get(len(seeds) - 1, 1.96) * diffs.std(ddof=1) / math.sqrt(len(seeds))
+    half = stats.t.ppf(0.975, len(seeds) - 1) * diffs.std(ddof=1) / math.sqrt(len(seeds))
     return float(diffs.mean()), float(half), len(seeds)
 
 

@@ -1,19 +1,19 @@
 """The margin of the learning test (`tests/rl/test_learning.py`): how much a short RL run on a
 fixed batch raises its training reward, how much that gain varies, and what a flipped
-objective or zeroed advantages give.
+objective or zeroed advantages give, and what updates without signal give.
 
   python benchmarks/learning_signal.py [--seeds=0,1,2,3,4] [--control-seeds=0,1,2]
       [--out=benchmarks/results/learning_signal.json]
 
 Each run is `g2rpo_jax.testing.learning.fixed_prompt_run` (the same prompts, starting noise and
 SDE noise every iteration: one batch, overfitted), for G²RPO and DanceGRPO:
-  reward_scale +1  the method as it trains;
-  reward_scale −1  the objective flipped (what a flipped gradient sign does);
-  reward_scale  0  no advantages (the parameters cannot move: the gain is exactly 0);
-  shuffled         each prompt's rewards permuted among its samples: updates of the same size
-                   without signal, so their gains are the noise a real gain must clear.
+  trained   the method as it trains (`--seeds`);
+  shuffled  each prompt's rewards permuted among its samples: updates of the same size without
+            signal, so their gains are the noise a real gain must clear (`--seeds`);
+  flipped   reward_scale −1: what a flipped gradient sign does (`--control-seeds`);
+  zeroed    reward_scale 0: no advantages, the parameters cannot move (the first control seed).
 The gain is the training reward of the final parameters' rollout minus the base's, on the
-same noise. Prints one line per run and the mean ± std per (method, scale).
+same noise. Prints one line per run and the mean ± std per (method, control).
 """
 
 import argparse

@@ -49,12 +49,7 @@ def run_name(setting: dict | None) -> str:
 def held_out_curve(workdir: str) -> dict[int, dict[str, float]]:
     """{iteration: {score: value}} from the run's metrics.jsonl (the eval/* rows)."""
     from g2rpo_jax import metrics
-    curve = {}
-    for row in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")):
-        scores = {k[len("eval/"):]: v for k, v in row.items() if k.startswith("eval/")}
-        if scores:
-            curve.setdefault(int(row["step"]), {}).update(scores)
-    return curve
+    return metrics.by_step(metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")), "eval/")
 
 
 def trained_parameters(workdir: str) -> int | None:
@@ -91,7 +86,7 @@ def train(workdir: str, seed: int, setting: dict | None) -> dict:
         summary = json.load(f)
     return dict(name=run_name(setting), seed=seed, lora=setting,
                 base=summary["base"], final=summary["final"],
-                curve={str(k): v for k, v in sorted(held_out_curve(workdir).items())},
+                curve={str(k): v for k, v in held_out_curve(workdir).items()},
                 wall_s=wall if wall is not None else summary.get("seconds"),
                 trained_parameters=trained_parameters(workdir))
 

@@ -236,6 +236,17 @@ def read_jsonl(path: str) -> list[dict]:
             if line.strip()]
 
 
+def by_step(rows: Sequence[dict], prefix: str) -> dict[int, dict[str, float]]:
+    """{step: {name: value}} of the scalars named `prefix` + name (e.g. "eval/": the held-out
+    scores at each evaluation), steps in order."""
+    out: dict[int, dict[str, float]] = {}
+    for row in rows:
+        scalars = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+        if scalars:
+            out.setdefault(int(row["step"]), {}).update(scalars)
+    return dict(sorted(out.items()))
+
+
 def series(rows: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of one scalar over the rows that have it."""
     pairs = [(r["step"], r[name]) for r in rows if name in r]

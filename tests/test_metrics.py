@@ -48,3 +48,13 @@ def test_phase_summary_skips_session_starts_and_idle_phases():
     assert out["rollout"] == {"total_s": 9.0, "first_s": 5.0, "median_s": 2.0}
     assert out["evaluation"] == {"total_s": 2.0, "first_s": 0.0, "median_s": 2.0}
     assert out["update"] == {"total_s": 0.0, "first_s": 0.0, "median_s": 0.0}
+
+
+def test_by_step_groups_prefixed_scalars_in_step_order():
+    rows = [{"step": 6, "eval/in_domain": 0.35, "train/loss": 1.0},
+            {"step": 0, "eval/in_domain": 0.32, "eval/quality": 0.99},
+            {"step": 3, "train/loss": 2.0},
+            {"step": 6, "eval/quality": 0.98}]
+    assert metrics.by_step(rows, "eval/") == {
+        0: {"in_domain": 0.32, "quality": 0.99}, 6: {"in_domain": 0.35, "quality": 0.98}}
+    assert list(metrics.by_step(rows, "train/")) == [3, 6]

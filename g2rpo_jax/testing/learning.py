@@ -13,8 +13,6 @@ among its samples every iteration (updates of the same size that carry no signal
 noise).
 """
 
-from collections.abc import Sequence
-
 from flax import nnx
 import jax
 import numpy as np
@@ -33,9 +31,9 @@ SETTING = dict(num_steps=6, group_size=8, branch_steps=(0, 1, 2), learning_rate=
                iterations=8)
 
 
-def fixed_prompts(count: int = NUM_PROMPTS) -> list[str]:
+def fixed_prompts() -> list[str]:
     train = world.split_prompts()["train"]
-    return [train[i] for i in np.linspace(0, len(train) - 1, count).astype(int)]
+    return [train[i] for i in np.linspace(0, len(train) - 1, NUM_PROMPTS).astype(int)]
 
 
 def fixed_prompt_config(algorithm: str, *, num_steps: int, learning_rate: float, seed: int = 0,
@@ -55,15 +53,14 @@ def fixed_prompt_config(algorithm: str, *, num_steps: int, learning_rate: float,
 
 
 def fixed_prompt_run(algorithm: str, mesh, *, seed: int = 0, reward_scale: float = 1.0,
-                     shuffle_rewards: bool = False, prompts: Sequence[str] | None = None,
-                     **setting) -> list[float]:
-    """Trains `algorithm` from the shipped base on one batch of `prompts` and returns its mean
-    training reward (in_domain, unscaled) before the first update and after each of the
+                     shuffle_rewards: bool = False, **setting) -> list[float]:
+    """Trains `algorithm` from the shipped base on one batch of `fixed_prompts()` and returns its
+    mean training reward (in_domain, unscaled) before the first update and after each of the
     `iterations` updates: [iterations + 1]. `setting` overrides `SETTING`'s fields. One
     process (the host's rewards are taken as the whole batch's)."""
     setting = {**SETTING, **setting}
     iterations = setting.pop("iterations")
-    prompts = list(prompts or fixed_prompts())
+    prompts = fixed_prompts()
     config = fixed_prompt_config(algorithm, seed=seed, **setting)
     algo = algorithms.Algorithm.from_config(config.algorithm)
     sigmas = held_out.sigmas_from_config(config)
