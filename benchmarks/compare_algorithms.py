@@ -123,8 +123,11 @@ def train(workdir: str, config_path: str, seed: int, run: dict) -> dict:
     summary_path = os.path.join(workdir, "summary.json")
     if not os.path.exists(summary_path):
         preset, _ = METHODS[run["method"]]
+        # One compilation cache for the sweep: a method's programs compile once, not per seed.
+        cache = os.path.join(os.path.dirname(os.path.abspath(workdir)), "compilation_cache")
         command = [sys.executable, "-m", "g2rpo_jax.main", f"--config={config_path}:{preset}",
-                   f"--workdir={workdir}", f"--config.seed={seed}"]
+                   f"--workdir={workdir}", f"--config.seed={seed}",
+                   f"--config.compilation_cache_dir={cache}"]
         command += [f"--config.{k}={_flag(v)}" for k, v in run["overrides"].items()]
         print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command[1:])}", flush=True)
         result = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL,
