@@ -326,6 +326,31 @@ def restore_params(step_dir: str, abstract_state: nnx.State, shardings: nnx.Stat
     return _replace(abstract_state, restored["params"])
 
 
+def read_step_config(step_dir: str) -> dict:
+    """The config (JSON, as `config_json` wrote it) a checkpoint step was saved with."""
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+        os.path.join(step_dir, "config"))
+
+
+def check_params(step_dir: str, abstract_params, config) -> None:
+    """Raises CheckpointError if a step's parameters do not fit `abstract_params` (a pure dict
+    of ShapeDtypeStructs, the model `config` builds), naming the parameters that differ and
+    the `model.*` config fields that differ from the run's."""
+    metadata = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, "state"))
+    stored = metadata.item_metadata.tree.get("params")
+    mismatched = model_differences(stored or {}, abstract_params)
+    fields = {k: v for k, v in config_differences(read_step_config(step_dir),
+                                                  config_json(config)).items()
+              if k.startswith("model.")}
+    if mismatched:
+        shown = "\n".join(mismatched[:12]) + (
+            f"\n  ... and {len(mismatched) - 12} more" if len(mismatched) > 12 else "")
+        raise CheckpointError(
+            f"The checkpoint {step_dir} belongs to another model:\n{shown}\nModel config fields "
+            f"that differ from the run's:\n{_describe_differences(fields) or '  (none)'}\nUse the "
+            "config the run was trained with (saved in the step's config/ folder).")
+
+
 def read_arrays(step_dir: str) -> dict[str, np.ndarray]:
     """A checkpoint step's `state` item on the host, flat {path: numpy array} (e.g.
     "['params']['final_layer']['linear']['kernel']"): for inspecting and comparing runs."""

@@ -17,7 +17,7 @@ LAYERS = {
     "config_lib": 4, "optimizer": 4, "metrics": 4, "checkpoint": 4, "preemption": 4,
     "generator": 4, "held_out": 4,
     "tasks": 5,
-    "train": 6, "pretrain": 6, "evaluate": 6, "preprocess": 6, "convert": 6,
+    "train": 6, "pretrain": 6, "evaluate": 6, "preprocess": 6, "convert": 6, "export": 6,
     "main": 7,
 }
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, evaluate, metrics, parallel, preprocess, train
+from g2rpo_jax import config_lib, evaluate, export, metrics, parallel, preprocess, train
 from g2rpo_jax.data import embedding_dataset
 from g2rpo_jax.models import clip_text, flux_weights, t5
 from g2rpo_jax.testing import flux_fixture, flux_reference
@@ -160,6 +160,22 @@ def test_evaluate_reports_every_reward(run, mesh):
             # The same prompts, noise and parameters as the run's final evaluation.
             assert values["mean"] == pytest.approx(report["final"][name], abs=1e-5)
     assert os.path.exists(os.path.join(workdir, "evaluation-2.png"))
+
+
+def test_evaluate_accepts_the_export(run, mesh, tmp_path):
+    """The run exported as a FluxPipeline folder (float32: the weights exactly) and evaluated
+    from there gives the run's final scores."""
+    config, workdir, report = run
+    out = str(tmp_path / "export")
+    export.export(config, workdir, out, mesh, config.sharding_rules, dtype="float32",
+                  pipeline="link")
+    result = evaluate.evaluate(config, out, mesh, parallel.rules_from_config(
+        config.sharding_rules), output=str(tmp_path / "evaluation.json"))
+    assert result["checkpoint"] == out
+    scores = {**result["in_domain"], **result["out_of_domain"]}
+    assert set(scores) == set(report["final"])
+    for name, values in scores.items():
+        assert values["mean"] == pytest.approx(report["final"][name], abs=1e-5)
 
 
 def test_table_has_in_and_out_of_domain_columns():

@@ -13,6 +13,7 @@ import pytest
 import resume_helpers as rh
 from test_resume import shapes_flags
 
+from g2rpo_jax.models.safetensors_io import SafetensorsCheckpoint
 from g2rpo_jax.testing import flux_fixture
 
 
@@ -104,6 +105,20 @@ def test_tiny_flux_path_reads_everything_from_the_bucket(gcs, tmp_path):
     cached = tmp_path / "download_cache" / "gs" / gcs.bucket / "flux" / "flux"
     assert (cached / "transformer" / "config.json").is_file()
     assert (cached / "vae" / "config.json").is_file()
+
+    # The run exported from the bucket into the bucket, as a FluxPipeline folder.
+    exported = _run(["-m", "g2rpo_jax.export", *flags, f"--checkpoint={workdir}",
+                     f"--out=gs://{gcs.bucket}/flux_export", "--pipeline=copy"], gcs, tmp_path)
+    assert exported.returncode == 0, exported.stderr[-6000:]
+    objects = gcs.objects("flux_export/")
+    for name in ("export.json", "model_index.json", "vae/config.json", "transformer/config.json",
+                 "transformer/diffusion_pytorch_model.safetensors"):
+        assert f"flux_export/{name}" in objects, name
+    weights = tmp_path / "exported.safetensors"
+    weights.write_bytes(_download(gcs, "flux_export/transformer/diffusion_pytorch_model.safetensors"))
+    report = json.loads(_download(gcs, "flux_export/export.json"))
+    assert report["step"] == 1 and report["checkpoint"].startswith(f"gs://{gcs.bucket}/flux_run")
+    assert len(SafetensorsCheckpoint(weights).keys()) == report["tensors"]
 
 
 def test_missing_bucket_unreachable_endpoint_and_missing_weights_are_named(gcs, tmp_path):

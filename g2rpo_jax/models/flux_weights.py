@@ -3,19 +3,27 @@
 Key maps from our parameter paths (`models.flux`) to the two public layouts (diffusers'
 `FluxTransformer2DModel`, separate q / k / v; BFL's `flux1-*.safetensors`, fused qkv and fused
 linear1 / linear2), the config of a checkpoint (diffusers' config.json, or inferred from a BFL
-file's shapes), and `from_pretrained`, which places every tensor straight into its sharding.
+file's shapes), `from_pretrained`, which places every tensor straight into its sharding, and
+the way back: `stored_tensors` gives a model's weights as either layout's state dict, one
+tensor at a time (`export.py` streams them into files).
 
   model = from_pretrained("FLUX.1-dev", "bfloat16", mesh=mesh)   # or .../transformer, or a BFL file
   cfg = load_config("FLUX.1-dev")                                 # the config only, no tensors
+  specs = stored_tensors(model, "diffusers", "bfloat16")          # [TensorSpec], lazily filled
 """
 
+import dataclasses
 import json
+import math
 import os
 
 from flax import nnx
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
 
-from g2rpo_jax.models import flux, weights
+from g2rpo_jax.models import execution, flux, weights
+from g2rpo_jax.models.safetensors_io import TensorSpec
 from g2rpo_jax.models.weights import linear_sources
 from g2rpo_jax.parallel import sharding as sharding_lib
 
@@ -233,3 +241,149 @@ def from_pretrained(path: str | os.PathLike, dtype: str | None = None, *,
                  if mesh is not None else None)
     state = weights.load_state(checkpoint, abstract_state, _source_fn(key_map), shardings)
     return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# The way back: our parameters as a public layout's state dict.
+
+LAYOUTS = ("diffusers", "bfl")
+
+# diffusers' FluxTransformer2DModel config.json: the class and the architecture fields it takes
+# (its MLP ratio 4 and RoPE theta 10000 are fixed in its code, not configurable).
+DIFFUSERS_CLASS = "FluxTransformer2DModel"
+DIFFUSERS_FIELDS = ("in_channels", "out_channels", "num_layers", "num_single_layers",
+                    "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                    "pooled_projection_dim", "guidance_embeds", "axes_dims_rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a public layout and the parts of our parameters it is made of.
+
+    Attributes:
+      key: its name in the layout's state dict.
+      shape: its stored shape (PyTorch's [out, in] for linears).
+      parts: (our parameter path, layer index in a stacked parameter or None, the TensorSource
+        that `from_pretrained` reads that parameter's values with), in the layout's row order.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[tuple[str, ...], int | None, weights.TensorSource], ...]
+
+
+def _key_map(cfg: flux.FluxConfig, layout: str):
+    if layout not in LAYOUTS:
+        raise ValueError(f"Unknown FLUX weight layout {layout!r}; use one of {LAYOUTS}.")
+    return _diffusers_key_map(cfg) if layout == "diffusers" else _bfl_key_map(cfg)
+
+
+def check_exportable(cfg: flux.FluxConfig, layout: str) -> None:
+    """Raises ValueError naming the fields a layout cannot express for this architecture."""
+    _key_map(cfg, layout)
+    fixed = {"mlp_ratio": 4.0, "rope_theta": 10000.0}
+    wrong = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise ValueError(f"The {layout} FLUX layout fixes {fixed} in its loaders' code; this "
+                         f"transformer has {wrong}, which a {layout} file cannot carry.")
+
+
+def stored_layout(cfg: flux.FluxConfig, layout: str) -> list[StoredTensor]:
+    """Every tensor of the layout's state dict for this architecture, in our parameter order,
+    each with the parts of our parameters that fill it; the inverse of `from_pretrained`'s
+    key map (every stored value is covered exactly once: checked)."""
+    source_fn = _source_fn(_key_map(cfg, layout))
+    _, abstract = nnx.split(flux.abstract_model(cfg))
+    pieces: dict[str, list] = {}
+    for path, variable in nnx.to_flat_state(abstract):
+        path = tuple(map(str, path))
+        axes = variable.get_metadata().get("logical_axes") or ()
+        source = source_fn(path)
+        if axes and axes[0] == "layers":
+            per_layer = tuple(variable.shape[1:])
+            for layer in range(variable.shape[0]):
+                pieces.setdefault(source(layer).key, []).append(
+                    (path, layer, source(layer), per_layer))
+        else:
+            pieces.setdefault(source.key, []).append((path, None, source, tuple(variable.shape)))
+    out = []
+    for key, parts in pieces.items():
+        shape = _stored_shape(parts)
+        covered = sum(math.prod(ours) for *_, ours in parts)
+        if covered != math.prod(shape):
+            raise AssertionError(f"{key}: our parameters cover {covered} of its "
+                                 f"{math.prod(shape)} values ({layout} key map)")
+        out.append(StoredTensor(key, shape, tuple(p[:3] for p in parts)))
+    return out
+
+
+def _stored_shape(parts) -> tuple[int, ...]:
+    """The stored tensor's shape from the regions its parts fill (rows: dim 0, cols: dim 1)."""
+    dims: list[int] = []
+    for _, _, source, ours in parts:
+        region = list(reversed(ours)) if source.transpose else list(ours)
+        if source.rows is not None:
+            region[0] = max(b for _, b in source.rows)
+        if source.cols is not None:
+            region[1] = source.cols[1]
+        dims = [max(a, b) for a, b in zip(dims, region)] if dims else region
+    return tuple(dims)
+
+
+def _host_value(array: jax.Array, layer: int | None) -> np.ndarray:
+    """One parameter (one layer of a stacked one) on this host, whatever its sharding (on
+    several processes every process must call this in the same order: it gathers)."""
+    value = array if layer is None else array[layer]
+    if not value.is_fully_addressable:
+        value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(jax.device_get(value))
+
+
+def stored_tensors(model: flux.Flux, layout: str, dtype: str = "bfloat16") -> list[TensorSpec]:
+    """The model's weights as the layout's state dict ("diffusers": FluxTransformer2DModel's,
+    "bfl": flux1-*.safetensors'), cast to `dtype`: one TensorSpec per tensor, whose `produce()`
+    gathers just that tensor's parts from the devices (so writing them one by one holds one
+    tensor in host memory). A model with LoRA adapters must be merged first (`lora.merge`)."""
+    check_exportable(model.cfg, layout)
+    out_dtype = np.dtype(execution.to_dtype(dtype))
+    state = dict(nnx.to_flat_state(nnx.state(model)))
+    state = {tuple(map(str, k)): v for k, v in state.items()}
+
+    def produce(stored: StoredTensor):
+        def fill() -> np.ndarray:
+            out = np.empty(stored.shape, np.float32)
+            for path, layer, source in stored.parts:
+                if path not in state:
+                    raise ValueError(f"The model has no parameter {'.'.join(path)} (merge LoRA "
+                                     "adapters with lora.merge before exporting).")
+                value = _host_value(state[path].get_value(), layer).astype(np.float32)
+                value = value.T if source.transpose else value
+                rows = source.row_index(stored.shape[0])
+                if value.ndim == 1:
+                    out[rows] = value
+                else:
+                    c0, c1 = source.col_range(stored.shape[1])
+                    out[rows, c0:c1] = value
+            return out.astype(out_dtype)
+        return fill
+
+    layout_tensors = stored_layout(model.cfg, layout)
+    missing = sorted({".".join(p) for t in layout_tensors for p, _, _ in t.parts} -
+                     {".".join(p) for p in state})
+    if missing:
+        raise ValueError(f"The model lacks parameters the {layout} layout needs: {missing[:5]} "
+                         "(merge LoRA adapters with lora.merge before exporting).")
+    return [TensorSpec(t.key, t.shape, out_dtype, produce(t)) for t in layout_tensors]
+
+
+def diffusers_config(cfg: flux.FluxConfig, base: dict | None = None) -> dict:
+    """The config.json of a diffusers transformer/ folder for this architecture; the entries of
+    `base` (the config.json the run started from, e.g. its `_diffusers_version`) are kept
+    unless an architecture field overrides them."""
+    check_exportable(cfg, "diffusers")
+    values = dict(base or {})
+    values["_class_name"] = DIFFUSERS_CLASS
+    values.update({k: getattr(cfg, k) for k in DIFFUSERS_FIELDS})
+    values["axes_dims_rope"] = list(cfg.axes_dims_rope)
+    values["patch_size"] = 1
+    return values

@@ -19,9 +19,8 @@ Files:
                            [r, in], `...lora_B.weight` [out, r], alpha / r folded into B;
                            the LoraConfig in the `lora_adapter_metadata` entry), so that
                            diffusers' `load_lora_weights` / `load_lora_adapter` reads them
-  merge_into_file          a diffusers or BFL transformer file with the adapters added to its
-                           weights (`W += (alpha / r) · (A B)^T`)
-  merge                    our model with the adapters folded into plain linears
+  merge                    our model with the adapters folded into plain linears (what
+                           `python -m g2rpo_jax.export` writes as a diffusers or BFL transformer)
 
 One of our linears may be only a part of a stored module: diffusers' single-block `proj_out`
 takes cat(attention, MLP) (our `out_attn` and `out_mlp`), BFL fuses q, k, v (and the single
@@ -404,29 +403,3 @@ def _like(value: np.ndarray, template: jax.Array) -> jax.Array:
     sharding = getattr(template, "sharding", None)
     value = jnp.asarray(value, template.dtype)
     return jax.device_put(value, sharding) if sharding is not None else value
-
-
-def merge_into_file(source: str | os.PathLike, model: flux.Flux, out: str | os.PathLike,
-                    layout: str | None = None) -> str:
-    """Writes `out`, a copy of the transformer weight file `source` (a diffusers
-    `diffusion_pytorch_model.safetensors`, or a BFL `flux1-*.safetensors`) with `model`'s
-    adapters merged into its weights (W[rows, cols] += (scale · A B)^T, in float32, stored in
-    the file's dtype). `layout`: "diffusers" or "bfl" (None: from the keys). Returns `out`."""
-    checkpoint = safetensors_io.SafetensorsCheckpoint(source)
-    if layout is None:
-        layout = "bfl" if "img_in.weight" in checkpoint else "diffusers"
-    arrays = _adapter_arrays(model)
-    tensors = {k: np.array(checkpoint.array(k)) for k in checkpoint.keys()}
-    for module, parts in _parts(model.cfg, layout, list(arrays)).items():
-        key = f"{module}.weight"
-        if key not in tensors:
-            raise KeyError(f"{source} has no {key} (layout {layout}).")
-        weight = tensors[key].astype(np.float32)
-        for target, layer, rows, cols in parts:
-            a, b, scale = arrays[target]
-            c0, c1 = cols or (0, weight.shape[1])
-            update = (scale * (a[layer].astype(np.float64) @ b[layer])).T.astype(np.float32)
-            weight[_index(rows, weight.shape[0]), c0:c1] += update
-        tensors[key] = weight.astype(tensors[key].dtype)
-    safetensors_io.write_safetensors(out, tensors, {"format": "pt"})
-    return os.fspath(out)

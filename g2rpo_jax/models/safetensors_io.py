@@ -20,6 +20,10 @@ what the library (0.8) cannot do:
 * errors that name the file and the tensor: a missing key with its closest matches, a
   truncated or corrupted file with what is wrong where.
 
+`stream_safetensors` writes a file one tensor at a time (the header first, from the tensors'
+shapes and dtypes; then each tensor's bytes as it is produced), so exporting a 12B model holds
+one tensor in host memory rather than the whole state dict `save_file` takes.
+
 `write_safetensors` adds what `save_file` leaves to the caller: the write is atomic (temp file,
 fsync, rename), arrays are passed C-ordered (save_file writes an array's memory as it lies, so
 a Fortran-ordered one would come out transposed), and only dtypes this reader reads are
@@ -28,7 +32,8 @@ written.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+import dataclasses
 import difflib
 import json
 import math
@@ -36,7 +41,7 @@ import os
 from pathlib import Path
 import tempfile
 import threading
-from typing import Any
+from typing import Any, BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -46,6 +51,8 @@ __all__ = [
     "MissingTensorError",
     "SafetensorsCheckpoint",
     "SafetensorsError",
+    "TensorSpec",
+    "stream_safetensors",
     "write_safetensors",
 ]
 
@@ -455,3 +462,63 @@ def write_safetensors(
             pass
         raise
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a streamed file: its name, shape and dtype, and how to make its values
+    (called once, when its bytes are due; the result is dropped after writing)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def _header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("safetensors metadata must be a dict of str -> str")
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for spec in specs:
+        if spec.key in header or spec.key == "__metadata__":
+            raise ValueError(f"invalid or repeated tensor name {spec.key!r}")
+        name = _DTYPE_NAMES.get(np.dtype(spec.dtype).newbyteorder("="))
+        if name is None:
+            raise SafetensorsError(f"cannot write tensor {spec.key!r}: dtype {spec.dtype} has no "
+                                   f"safetensors equivalent (supported: {', '.join(sorted(_DTYPES))})")
+        header[spec.key] = {"dtype": name, "shape": list(spec.shape),
+                            "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)   # the data region starts 8-byte aligned, as the library's
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def stream_safetensors(f: BinaryIO, specs: Sequence[TensorSpec],
+                       metadata: Mapping[str, str] | None = None) -> int:
+    """Writes a safetensors file to the open binary file `f`, tensor by tensor, in the order of
+    `specs`: at most one produced tensor is alive at a time. Every produced array must have its
+    spec's shape (it is cast to the spec's dtype). Returns the bytes written.
+
+    The caller makes the write atomic (e.g. `storage.open_atomic`): a failure mid-way leaves `f`
+    holding a prefix."""
+    head = _header(specs, metadata)
+    f.write(head)
+    written = len(head)
+    for spec in specs:
+        value = np.asarray(spec.produce())
+        if tuple(value.shape) != tuple(spec.shape):
+            raise SafetensorsError(f"tensor {spec.key!r} was produced with shape "
+                                   f"{tuple(value.shape)}, but its header says {tuple(spec.shape)}")
+        value = np.ascontiguousarray(value, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+        f.write(value.reshape(-1).view(np.uint8).data if value.size else b"")
+        written += spec.nbytes
+        del value
+    return written

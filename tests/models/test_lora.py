@@ -1,7 +1,7 @@
 """LoRA adapters (models.lora): zero B is the base exactly, gradients reach only the adapters,
 diffusers reads our exported adapters (parity), merged weight files, sharded = unsharded."""
 
-import os
+import json
 
 from flax import nnx
 import jax
@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from g2rpo_jax import parallel
-from g2rpo_jax.models import flux, flux_weights, lora
+from g2rpo_jax.models import flux, flux_weights, lora, safetensors_io
 from g2rpo_jax.testing import flux_reference as ref
 
 SHAPE = dict(num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
@@ -152,36 +152,33 @@ def test_pipeline_load_lora_weights_reads_our_file(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "bfl"])
-def test_merged_file_equals_adapted_model(checkpoint, tmp_path, layout):
-    directory, torch_model = checkpoint
+def test_merged_model_written_out_equals_adapted_model(checkpoint, tmp_path, layout):
+    """Adapters folded in (`merge`) and written in a public layout (as `export` does): our
+    loader and, for diffusers, diffusers itself compute the adapted model's outputs."""
+    directory, _ = checkpoint
     model = _randomize_b(lora.apply(flux_weights.from_pretrained(directory), CFG, 0))
     inputs = _inputs()
     expected = np.asarray(model(**inputs))
+    merged = lora.merge(model)
+    assert not lora.targets_in(merged) and not jax.tree.leaves(nnx.state(merged, lora.LoRAParam))
+    np.testing.assert_allclose(np.asarray(merged(**inputs)), expected, atol=1e-5)
+    out = tmp_path / ("diffusion_pytorch_model.safetensors" if layout == "diffusers"
+                      else "flux1-tiny.safetensors")
+    with open(out, "wb") as f:
+        safetensors_io.stream_safetensors(
+            f, flux_weights.stored_tensors(merged, layout, "float32"))
     if layout == "diffusers":
-        source = os.path.join(directory, "diffusion_pytorch_model.safetensors")
-        out = tmp_path / "merged" / "diffusion_pytorch_model.safetensors"
-        os.makedirs(out.parent)
-        import shutil
-
-        shutil.copy(os.path.join(directory, "config.json"), out.parent)
-    else:
-        source = tmp_path / "flux1-tiny.safetensors"
-        ref.write_bfl_flux(str(source), torch_model)
-        out = tmp_path / "flux1-tiny-merged.safetensors"
-    lora.merge_into_file(source, model, out)
-    loaded = flux_weights.from_pretrained(out.parent if layout == "diffusers" else out,
+        (tmp_path / "config.json").write_text(json.dumps(
+            flux_weights.diffusers_config(merged.cfg)))
+    loaded = flux_weights.from_pretrained(tmp_path if layout == "diffusers" else out,
                                           **({} if layout == "diffusers" else
                                              {"axes_dims_rope": SHAPE["axes_dims_rope"]}))
     np.testing.assert_allclose(np.asarray(loaded(**inputs)), expected, atol=1e-5)
     if layout == "diffusers":   # diffusers itself reads the merged folder
         import diffusers
 
-        theirs = diffusers.FluxTransformer2DModel.from_pretrained(str(out.parent)).eval()
+        theirs = diffusers.FluxTransformer2DModel.from_pretrained(str(tmp_path)).eval()
         np.testing.assert_allclose(ref.diffusers_forward(theirs, inputs), expected, atol=1e-4)
-    # Folding the adapters into our own model gives the same function, as a plain Flux.
-    merged = lora.merge(model)
-    assert not lora.targets_in(merged) and not jax.tree.leaves(nnx.state(merged, lora.LoRAParam))
-    np.testing.assert_allclose(np.asarray(merged(**inputs)), expected, atol=1e-5)
 
 
 def test_sharded_equals_unsharded(checkpoint):
