@@ -45,15 +45,15 @@ def free_port() -> int:
 
 
 def run_processes(flags: list[str], processes: int = 2, devices: int = 1,
-                  extra: dict[int, list[str]] | None = None,
-                  timeout: float = 900) -> list[subprocess.CompletedProcess]:
-    """`python -m g2rpo_jax.main FLAGS` as one JAX job of `processes` processes on this
-    machine (`devices` CPU devices each), joined through jax.distributed on a free port;
-    `extra[i]`: flags for process i only."""
+                  extra: dict[int, list[str]] | None = None, timeout: float = 900,
+                  module: str = "g2rpo_jax.main") -> list[subprocess.CompletedProcess]:
+    """`python -m MODULE FLAGS` (default: the main program) as one JAX job of `processes`
+    processes on this machine (`devices` CPU devices each), joined through jax.distributed on
+    a free port; `extra[i]`: flags for process i only."""
     port = free_port()
     logs, procs = [], []
     for i in range(processes):
-        command = [sys.executable, "-m", "g2rpo_jax.main", *flags,
+        command = [sys.executable, "-m", module, *flags,
                    "--config.distributed.enabled=True",
                    f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                    f"--config.distributed.num_processes={processes}",

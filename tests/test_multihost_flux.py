@@ -5,6 +5,8 @@ metrics and parameters (up to float reduction order), with a checkpoint and a re
 processes. The shapes task's proof is tests/test_multihost.py."""
 
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -84,6 +86,23 @@ def test_two_processes_train_evaluate_and_resume_like_one(flux_setup, tmp_path):
     for name in ("summary.json", "images/base.png", "images/final.png", "reward_curves.png"):
         assert (multi / name).exists(), name
     assert rh.loop_item(str(multi / "checkpoints" / "2"))["iteration"] == 2
+
+    # The run exported by two processes (parameters sharded over fsdp across them, gathered
+    # tensor by tensor, written by process 0) is byte for byte the one-process export.
+    export_flags = [f for f in _flags(multi, flux_setup, cache, 2)
+                    if f.startswith(("--config=", "--config.model.", "--config.compilation"))]
+    export_flags += [f"--checkpoint={multi}", "--config.mesh.data=1", "--config.mesh.fsdp=2"]
+    exported = rh.run_processes([*export_flags, f"--out={tmp_path / 'export_2p'}"],
+                                module="g2rpo_jax.export")
+    _assert_ok(exported)
+    assert "exported" in exported[0].stdout and "exported" not in exported[1].stdout
+    one = subprocess.run([sys.executable, "-m", "g2rpo_jax.export", *export_flags,
+                          f"--out={tmp_path / 'export_1p'}"], cwd=rh.ROOT,
+                         env=rh.environment(2), capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    assert (tmp_path / "export_2p" / weights).read_bytes() == (
+        tmp_path / "export_1p" / weights).read_bytes()
 
     param_diff = max(float(np.abs(np.asarray(b[n], np.float64) - a[n]).max()) for n in a)
     merged = [_by_step(rows[n]) for n in ("single", "multi")]
