@@ -52,7 +52,7 @@ def get_config(algorithm: str = "g2rpo"):
     # The fixture's reward checkpoints (flux_fixture.write_tiny_rewards) under reward.root;
     # architectures are read from the files (config "" = inferred).
     config.reward.batch_size = 0
-    config.reward.models.hps.path = "hps.pt"
+    config.reward.models.hps.path = "hps.safetensors"
     config.reward.models.hps.tokenizer = "tokenizer"
     config.reward.models.hps.config = ""
     config.reward.models.clip_score.path = "clip_score"

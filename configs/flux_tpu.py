@@ -21,7 +21,9 @@ override the root, or any single path, on the command line. Every path may be lo
 there; no gcsfuse needed).
   ROOT/FLUX.1-dev/                 diffusers FLUX.1-dev (transformer/, vae/, text_encoder/,
                                    text_encoder_2/, tokenizer/, tokenizer_2/)
-  ROOT/rewards/                    HPS_v2.1_compressed.pt, DFN5B-CLIP-ViT-H-14-378/, PickScore_v1/
+  ROOT/rewards/                    HPS_v2.1_compressed.safetensors (the published .pt, converted
+                                   once: python -m g2rpo_jax.convert), DFN5B-CLIP-ViT-H-14-378/,
+                                   PickScore_v1/
   ROOT/prompts/                    hpdv2_train.txt, hpdv2_test.txt (one prompt per line)
   ROOT/tfds/                       the preprocessed prompt-embedding datasets (g2rpo_jax.preprocess)
 

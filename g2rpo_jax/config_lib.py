@@ -238,7 +238,8 @@ def flux_config(algorithm: str = "g2rpo") -> ml_collections.ConfigDict:
         train=("hps",), weights=(1.0,), evaluate=("hps", "clip_score", "pickscore"), root="",
         batch_size=32,
         models=ml_collections.ConfigDict(dict(
-            hps=reward_model("hps", "HPS_v2.1_compressed.pt", tokenizer="", config="ViT-H-14",
+            # HPS_v2.1_compressed.pt as published, converted once (python -m g2rpo_jax.convert).
+            hps=reward_model("hps", "HPS_v2.1_compressed.safetensors", tokenizer="", config="ViT-H-14",
                              dtype=""),
             clip_score=reward_model("clip_score", "DFN5B-CLIP-ViT-H-14-378", tokenizer="",
                                     config="", dtype=""),

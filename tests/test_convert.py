@@ -1,6 +1,8 @@
-"""The PyTorch → safetensors converter (`python -m g2rpo_jax.convert`)."""
+"""The PyTorch → safetensors converter (`python -m g2rpo_jax.convert`, the one program that
+needs torch) and the run-time rule: loaders read safetensors only, never torch, never writing."""
 
 import builtins
+import os
 import subprocess
 import sys
 
@@ -10,6 +12,17 @@ import pytest
 import torch
 
 from g2rpo_jax.models import clip_weights, torch_checkpoints, weights
+
+
+def _no_torch(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("No module named 'torch'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
 
 
 def test_converter_handles_prefixes_bf16_and_extras(tmp_path):
@@ -22,38 +35,90 @@ def test_converter_handles_prefixes_bf16_and_extras(tmp_path):
     np.testing.assert_array_equal(checkpoint.array("b"), np.arange(4))
 
 
-def test_open_checkpoint_converts_a_pickle_once(tmp_path):
+class _Head(torch.nn.Module):
+    """A module standing in for the published files' models (their state-dict structure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.register_buffer("scale", torch.tensor([2.0]))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+@pytest.mark.parametrize("published", ["hps_state_dict", "torchscript", "plain_pth"])
+def test_the_three_published_formats_convert_to_the_same_tensors(tmp_path, published):
+    """HPS-v2.1's {"state_dict": ...} .pt, OpenAI's TorchScript ViT-L-14.pt, the aesthetic
+    head's plain .pth: each becomes the module's state dict, value for value."""
+    torch.manual_seed(0)
+    head = _Head()
+    src = tmp_path / {"hps_state_dict": "HPS.pt", "torchscript": "ViT.pt",
+                      "plain_pth": "head.pth"}[published]
+    if published == "hps_state_dict":
+        torch.save({"state_dict": head.state_dict(), "epoch": 3}, src)
+    elif published == "torchscript":
+        torch.jit.save(torch.jit.script(head), src)
+    else:
+        torch.save(head.state_dict(), src)
+    out = torch_checkpoints.convert_torch_checkpoint(src)
+    assert out == src.with_suffix(".safetensors")
+    converted = weights.SafetensorsCheckpoint(out)
+    assert sorted(converted.keys()) == sorted(head.state_dict())
+    for key, value in head.state_dict().items():
+        np.testing.assert_array_equal(converted.array(key), value.numpy())
+
+
+def test_run_time_reads_safetensors_only_and_writes_nothing(tmp_path, monkeypatch):
+    """A .pt given to a loader: without its conversion, an error with the exact command, even
+    with torch installed, and nothing written; after the one-time conversion, the converted
+    file is read, without torch."""
     torch.save({"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}}, tmp_path / "m.pt")
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(torch_checkpoints.NeedsConversionError, match=(
+            rf"m\.pt is a PyTorch checkpoint.*pip install torch.*\n  python -m "
+            rf"g2rpo_jax\.convert {tmp_path}/m\.pt {tmp_path}/m\.safetensors")):
+        clip_weights.open_checkpoint(tmp_path / "m.pt")
+    assert sorted(os.listdir(tmp_path)) == before
+    torch_checkpoints.convert_torch_checkpoint(tmp_path / "m.pt")
+    _no_torch(monkeypatch)
     checkpoint = clip_weights.open_checkpoint(tmp_path / "m.pt")
     assert checkpoint.path == tmp_path / "m.safetensors"
     np.testing.assert_array_equal(checkpoint.array("w"), np.arange(6.0).reshape(2, 3))
-    written = (tmp_path / "m.safetensors").stat().st_mtime_ns
-    clip_weights.open_checkpoint(tmp_path / "m.pt")  # up to date: not written again
-    assert (tmp_path / "m.safetensors").stat().st_mtime_ns == written
 
 
-def test_without_torch_the_error_says_how_to_convert(tmp_path, monkeypatch):
+def test_an_open_clip_folder_with_only_its_bin_names_the_conversion(tmp_path):
+    folder = tmp_path / "DFN5B"
+    folder.mkdir()
+    (folder / "open_clip_config.json").write_text('{"model_cfg": {}}')
+    torch.save({"w": torch.ones(2)}, folder / "open_clip_pytorch_model.bin")
+    with pytest.raises(torch_checkpoints.NeedsConversionError,
+                       match=r"open_clip_pytorch_model\.bin .*open_clip_model\.safetensors"):
+        clip_weights.from_pretrained(folder)
+    assert torch_checkpoints.converted_path(folder / "open_clip_pytorch_model.bin") == (
+        folder / "open_clip_model.safetensors")
+
+
+def test_without_torch_the_converter_says_how_to_get_it(tmp_path, monkeypatch):
     (tmp_path / "m.pt").write_bytes(b"not read")
-    real_import = builtins.__import__
-
-    def no_torch(name, *args, **kwargs):
-        if name == "torch":
-            raise ImportError("No module named 'torch'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torch)
-    with pytest.raises(ImportError, match=r"needs torch.*python -m g2rpo_jax\.convert SRC DST"):
+    _no_torch(monkeypatch)
+    with pytest.raises(ImportError, match=r"needs torch \(pip install torch\).*python -m "
+                                          r"g2rpo_jax\.convert SRC DST"):
         torch_checkpoints.convert_torch_checkpoint(tmp_path / "m.pt")
 
 
 def test_command_line(tmp_path):
     torch.save({"w": torch.ones(3)}, tmp_path / "m.pth")
-    done = subprocess.run([sys.executable, "-m", "g2rpo_jax.convert", str(tmp_path / "m.pth"),
-                           str(tmp_path / "out.safetensors")], capture_output=True, text=True)
+    command = [sys.executable, "-m", "g2rpo_jax.convert", str(tmp_path / "m.pth"),
+               str(tmp_path / "out.safetensors")]
+    done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"wrote {tmp_path / 'out.safetensors'}" in done.stdout
     np.testing.assert_array_equal(
         weights.SafetensorsCheckpoint(tmp_path / "out.safetensors").array("w"), np.ones(3))
+    again = subprocess.run(command, capture_output=True, text=True)
+    assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+    assert subprocess.run(command + ["--overwrite"], capture_output=True).returncode == 0
     usage = subprocess.run([sys.executable, "-m", "g2rpo_jax.convert"], capture_output=True,
                            text=True)
     assert usage.returncode == 2 and "usage" in usage.stderr

@@ -12,13 +12,15 @@ Two checkpoint layouts load into the same modules (`from_pretrained`):
   `open_clip_config.json`, or inferred from tensor shapes (see `config_from_open_clip_checkpoint`
   for what shapes cannot tell).
 
-PyTorch pickles (`.pt`, `.bin`, `.pth`) are converted once to a safetensors file beside them by
-`models/torch_checkpoints.py` (needs torch; `python -m g2rpo_jax.convert SRC [DST]` does it ahead of time).
+Safetensors only: PyTorch pickles (`.pt`, `.bin`, `.pth`) are converted once, ahead of time, by
+`python -m g2rpo_jax.convert SRC [DST]` (`models/torch_checkpoints.py`, the one place that needs
+torch); given a pickle, the loader reads its converted file beside it or names the command.
 """
 
 from collections.abc import Callable, Mapping
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -341,10 +343,15 @@ def config_from_open_clip_checkpoint(checkpoint, quick_gelu: bool = False,
 
 
 def open_checkpoint(path: str | os.PathLike) -> weights.SafetensorsCheckpoint:
-    """A safetensors file or folder; a PyTorch pickle is converted beside it first."""
+    """A safetensors file or folder. For a PyTorch pickle (.pt / .pth / .bin), its converted
+    safetensors beside it (`python -m g2rpo_jax.convert`); without one, NeedsConversionError
+    names the command. Nothing is written and torch is not needed."""
     path = Path(path)
-    if path.is_file() and path.suffix in torch_checkpoints.TORCH_SUFFIXES:
-        path = torch_checkpoints.convert_torch_checkpoint(path)
+    if torch_checkpoints.is_torch_checkpoint(path):
+        converted = torch_checkpoints.require_converted(path)
+        logging.getLogger(__name__).info("Reading %s, the converted safetensors of %s.",
+                                         converted, path)
+        path = converted
     return weights.SafetensorsCheckpoint(path)
 
 
@@ -405,8 +412,8 @@ def from_pretrained(path: str | os.PathLike, config: clip.CLIPConfig | str | Map
     Args:
       path: a transformers folder (config.json + model.safetensors or a sharded index), an
         OpenCLIP hub folder (open_clip_config.json + open_clip_model.safetensors or
-        open_clip_pytorch_model.bin), or a single .safetensors / .pt / .bin / .pth file
-        (PyTorch files are converted once to a .safetensors beside them).
+        open_clip_pytorch_model.bin, converted), or a single .safetensors file (a .pt / .bin /
+        .pth file is read through its converted safetensors: `open_checkpoint`).
       config: a CLIPConfig, an OpenCLIP model-config dict or a name in clip.OPEN_CLIP_CONFIGS
         ("ViT-H-14" for HPS-v2.1, "ViT-H-14-quickgelu" for DFN5B, "ViT-L-14-quickgelu" for
         OpenAI's ViT-L/14); None reads config.json / open_clip_config.json or infers an OpenCLIP

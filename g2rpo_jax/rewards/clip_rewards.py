@@ -279,9 +279,9 @@ class AestheticHead(nnx.Module):
 
 
 def load_aesthetic_head(path: str | os.PathLike) -> AestheticHead:
-    """Loads the predictor's state dict (`layers.{0,2,4,6,7}.{weight,bias}`) from a .pth (e.g.
-    sac+logos+ava1-l14-linearMSE.pth, converted once to .safetensors beside it) or .safetensors.
-    """
+    """Loads the predictor's state dict (`layers.{0,2,4,6,7}.{weight,bias}`) from safetensors
+    (sac+logos+ava1-l14-linearMSE.pth converted once by `python -m g2rpo_jax.convert`; given the
+    .pth, its converted file beside it is read)."""
     checkpoint = clip_weights.open_checkpoint(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: AestheticHead(nnx.Rngs(0))))
 
@@ -347,7 +347,7 @@ def _load(path, config, dtype, mesh, rules, towers=None) -> clip.CLIP:
 def hps(path: str | os.PathLike, *, tokenizer=None, config="ViT-H-14", dtype: str | None = None,
         mesh=None, rules=sharding_lib.DEFAULT_RULES,
         preprocess: Preprocess = HPS_PREPROCESS) -> ClipReward:
-    """HPS-v2.1: OpenCLIP ViT-H-14 (HPS_v2.1_compressed.pt or its .safetensors); score =
+    """HPS-v2.1: OpenCLIP ViT-H-14 (HPS_v2.1_compressed.pt converted to safetensors); score =
     normalised image · normalised text (HPSv2's `diagonal(image_features @ text_features.T)`)."""
     model = _load(path, config, dtype, mesh, rules)
     return ClipReward(model, _tokenizer(tokenizer, None, "hps"), preprocess=preprocess,
@@ -390,8 +390,8 @@ def aesthetic(path: str | os.PathLike, *, clip_path: str | os.PathLike, clip_con
               dtype: str | None = None, mesh=None, rules=sharding_lib.DEFAULT_RULES,
               preprocess: Preprocess = AESTHETIC_PREPROCESS) -> AestheticReward:
     """LAION improved aesthetic predictor: `path` is its MLP state dict; `clip_path` OpenAI's
-    CLIP ViT-L/14 (a transformers folder, or OpenAI's ViT-L-14.pt: config "ViT-L-14-quickgelu"
-    is then used). Only the image tower is loaded."""
+    CLIP ViT-L/14 (a transformers folder, or OpenAI's ViT-L-14.pt converted to safetensors:
+    config "ViT-L-14-quickgelu" is then used). Only the image tower is loaded."""
     clip_path = Path(os.fspath(clip_path))
     if clip_config is None and clip_path.is_file() and not (clip_path.parent / "config.json").exists():
         # An OpenAI / OpenCLIP-layout file: shapes cannot tell its QuickGELU.

@@ -4,10 +4,13 @@ Built in:
 
 | name | factory | path |
 |---|---|---|
-| "hps" | clip_rewards.hps | HPS-v2.1 checkpoint (.pt or .safetensors); tokenizer= needed |
+| "hps" | clip_rewards.hps | HPS-v2.1 checkpoint (.safetensors, converted from its .pt); tokenizer= |
 | "clip_score" | clip_rewards.clip_score | DFN5B-CLIP-ViT-H-14 folder or weights; tokenizer= |
 | "pickscore" | clip_rewards.pickscore | PickScore_v1 transformers folder |
-| "aesthetic" | clip_rewards.aesthetic | the LAION MLP state dict; clip_path= OpenAI ViT-L/14 |
+| "aesthetic" | clip_rewards.aesthetic | the LAION MLP (.safetensors); clip_path= OpenAI ViT-L/14 |
+
+PyTorch files (.pt / .pth / .bin) are converted once by `python -m g2rpo_jax.convert SRC [DST]`
+(needs torch); at run time only safetensors are read.
 | "remote" | RemoteReward | the URL (or url=) of an HTTP scoring service |
 
 `register(name, factory)` adds one (a factory is called as factory(path, **kw) when a path is

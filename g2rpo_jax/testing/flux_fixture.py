@@ -9,7 +9,8 @@ in the test suite and on any CPU, in the same folder layouts as the real checkpo
                               2×2), vae/ (AutoencoderKL, 16 latent channels, FLUX's scale and
                               shift), text_encoder/ + tokenizer/ (CLIPTextModel, CLIPTokenizer),
                               text_encoder_2/ + tokenizer_2/ (T5EncoderModel, T5TokenizerFast)
-  write_tiny_rewards(DIR)     DIR/hps.pt (HPS-v2.1's format: {"state_dict": OpenCLIP keys}),
+  write_tiny_rewards(DIR)     DIR/hps.pt (HPS-v2.1's format: {"state_dict": OpenCLIP keys}) and
+                              DIR/hps.safetensors (its conversion, python -m g2rpo_jax.convert),
                               DIR/clip_score/ (an OpenCLIP hub folder, as DFN5B),
                               DIR/pickscore/ (a transformers CLIPModel folder, as PickScore_v1),
                               DIR/tokenizer/ (the CLIP tokenizer HPS and CLIP score use)
@@ -117,9 +118,11 @@ def write_tiny_flux_dev(directory: str, seed: int = 0) -> str:
 
 def write_tiny_rewards(directory: str, seed: int = 0) -> dict[str, str]:
     """Writes tiny reward checkpoints in each reward's published format (see the module doc);
-    returns {"hps": file, "clip_score": folder, "pickscore": folder, "tokenizer": folder}."""
+    returns {"hps": safetensors file, "clip_score": folder, "pickscore": folder, "tokenizer":
+    folder}."""
     import torch
 
+    from g2rpo_jax.models import torch_checkpoints
     from g2rpo_jax.models.safetensors_io import write_safetensors
     from g2rpo_jax.rewards import clip_rewards
 
@@ -134,6 +137,8 @@ def write_tiny_rewards(directory: str, seed: int = 0) -> dict[str, str]:
     torch.save({"state_dict": {k: torch.from_numpy(v) for k, v in
                                clip_reference.hf_to_open_clip(hps.state_dict()).items()}},
                paths["hps.pt"])
+    # The one-time conversion a user runs (the rewards read safetensors only).
+    hps_file = str(torch_checkpoints.convert_torch_checkpoint(paths["hps.pt"]))
     # DFN5B's hub layout: open_clip_config.json (model and preprocessing) + weights.
     dfn = clip_reference.tiny_clip(16, seed + 1)
     os.makedirs(paths["clip_score"], exist_ok=True)
@@ -155,7 +160,7 @@ def write_tiny_rewards(directory: str, seed: int = 0) -> dict[str, str]:
     pick = clip_reference.tiny_clip(16, seed + 2)
     pick.save_pretrained(paths["pickscore"], safe_serialization=True)
     clip_reference.byte_level_tokenizer().save_pretrained(paths["pickscore"])
-    return {"hps": paths["hps.pt"], "clip_score": paths["clip_score"],
+    return {"hps": hps_file, "clip_score": paths["clip_score"],
             "pickscore": paths["pickscore"], "tokenizer": paths["tokenizer"]}
 
 

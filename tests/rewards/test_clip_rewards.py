@@ -29,7 +29,7 @@ from PIL import Image
 import pytest
 import torch
 
-from g2rpo_jax.models import clip, clip_text
+from g2rpo_jax.models import clip, clip_text, torch_checkpoints
 from g2rpo_jax.models.safetensors_io import write_safetensors
 from g2rpo_jax.rewards import clip_rewards as cr
 from g2rpo_jax.rewards import registry
@@ -180,6 +180,10 @@ def setup(tmp_path_factory):
     aesthetic_clip.save_pretrained(root / "clip_l14", safe_serialization=True)
     head = LaionMLP()
     torch.save(head.state_dict(), root / "aesthetic.pth")
+    # The one-time conversion a user runs (python -m g2rpo_jax.convert): the rewards read the
+    # safetensors, given either path.
+    for name in ("hps.pt", "aesthetic.pth"):
+        torch_checkpoints.convert_torch_checkpoint(root / name)
     images = np.stack([known_image(241, 322, seed=s) for s in (1, 2)]) / 255.0
     return dict(root=root, model=model, aesthetic_clip=aesthetic_clip, head=head,
                 images=images.astype(np.float32))
@@ -229,7 +233,7 @@ def _reference_features(model, images: np.ndarray, prompts, mode="shortest", pix
 def test_open_clip_rewards_match_reference(setup, name):
     root = setup["root"]
     if name == "hps":
-        reward = registry.get("hps", root / "hps.pt", tokenizer=root / "tokenizer",
+        reward = registry.get("hps", root / "hps.safetensors", tokenizer=root / "tokenizer",
                               config=TINY_CONFIG)
     else:  # the hub folder: config and preprocessing from its open_clip_config.json
         reward = registry.get("clip_score", root / "dfn5b", tokenizer=root / "tokenizer")
