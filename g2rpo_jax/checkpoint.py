@@ -44,6 +44,7 @@ RESUMABLE_FIELDS = (
     "train.num_iterations", "train.eval_every", "train.images_in_grid",
     "train.checkpoint_every", "train.checkpoint_every_seconds", "train.checkpoints_to_keep",
     "train.async_checkpointing", "train.start_over", "train.max_consecutive_skips",
+    "train.samples_every", "train.sample_prompts",
     "mesh.", "distributed.", "sharding_rules", "describe.", "compilation_cache_dir",
     "model.remat_policy", "model.attention", "model.attention_impl",
     "policy_update.micro_batch_prompts", "reward.batch_size", "data.data_dir",

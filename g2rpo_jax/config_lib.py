@@ -173,11 +173,13 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
       metrics and events are removed) instead of resuming it.
     max_consecutive_skips: optimizer steps in a row whose loss or gradient was not finite
       (skipped, not applied) after which the run stops with an error.
+    samples_every: every that many iterations, TensorBoard shows one group of training samples
+      for each of the first `sample_prompts` prompts, with rewards and advantages (0: never).
     """
     fields = dict(num_iterations=300, prompts_per_iteration=16, eval_every=50,
                   images_in_grid=16, checkpoint_every=50, checkpoint_every_seconds=0,
                   checkpoints_to_keep=3, async_checkpointing=True, start_over=False,
-                  max_consecutive_skips=10)
+                  max_consecutive_skips=10, samples_every=10, sample_prompts=2)
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ValueError(f"Unknown train fields {sorted(unknown)}; known: {sorted(fields)}.")

@@ -222,6 +222,15 @@ def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[s
 def save_grid(path: str, images: np.ndarray, captions: Sequence[str], columns: int = 8,
               scale: int = 4, title: str = "") -> str:
     """A PNG grid of images [K, H, W, 3] in [0, 1] (nearest-neighbour ×scale), each captioned."""
+    canvas = grid_image(images, captions, columns, scale, title)
+    with storage.open_atomic(path) as f:
+        canvas.save(f, format="PNG")
+    return path
+
+
+def grid_image(images: np.ndarray, captions: Sequence[str], columns: int = 8, scale: int = 4,
+               title: str = ""):
+    """`save_grid`'s picture as a PIL image (for TensorBoard: `np.asarray(...)`, [H, W, 3])."""
     from PIL import Image, ImageDraw
 
     images = np.clip(np.asarray(images) * 255 + 0.5, 0, 255).astype(np.uint8)
@@ -243,6 +252,4 @@ def save_grid(path: str, images: np.ndarray, captions: Sequence[str], columns: i
                 lines.append("")
             lines[-1] = f"{lines[-1]} {word}".strip()
         draw.text((x + 4, y + cell_h - 2), "\n".join(lines[:2]), fill=(220, 220, 220))
-    with storage.open_atomic(path) as f:
-        canvas.save(f, format="PNG")
-    return path
+    return canvas

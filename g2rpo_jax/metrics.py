@@ -2,7 +2,9 @@
 
 Only process 0 writes. Each `write(step, scalars)` appends one JSON line
 {"step": n, "time": seconds since start, name: value, ...} to DIR/metrics.jsonl and the same
-scalars to TensorBoard (DIR/tensorboard, via tensorboardX: no TensorFlow needed).
+scalars to TensorBoard (DIR/tensorboard, via tensorboardX: no TensorFlow needed). `image`,
+`histogram` and `text` add TensorBoard's other kinds (sample grids, distributions of rewards,
+advantages and log-ratios, the config); they reach the files with the next `write`.
 
 A DIR on an object store (gs://): objects cannot be appended to, so both logs are written to a
 local staging folder (metrics.jsonl continued from the bucket's copy) and each file is uploaded
@@ -84,6 +86,24 @@ class MetricsLogger:
                 self._writer.add_scalar(name, value, int(step))
         self._writer.flush()
         self._upload()
+
+    def image(self, step: int, tag: str, image: np.ndarray) -> None:
+        """An image [H, W, 3] (uint8, or float in [0, 1])."""
+        if self.active:
+            self._writer.add_image(tag, np.asarray(image), int(step), dataformats="HWC")
+
+    def histogram(self, step: int, tag: str, values) -> None:
+        """The distribution of `values` (any shape; non-finite values left out)."""
+        if not self.active:
+            return
+        values = np.asarray(values, np.float64).ravel()
+        values = values[np.isfinite(values)]
+        if values.size:
+            self._writer.add_histogram(tag, values, int(step))
+
+    def text(self, step: int, tag: str, markdown: str) -> None:
+        if self.active:
+            self._writer.add_text(tag, markdown, int(step))
 
     def _upload(self) -> None:
         """A remote workdir: the staged files, each uploaded whole (see the module docstring)."""

@@ -41,6 +41,7 @@ from g2rpo_jax import held_out, parallel, preemption, storage, tasks
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.models import lora
+from g2rpo_jax.rl import advantages as advantages_lib
 from g2rpo_jax.rl import iteration as iteration_lib
 from g2rpo_jax.rl import policy_update
 from g2rpo_jax.rl.algorithms import Algorithm
@@ -172,6 +173,45 @@ def _count_skips(loop: dict, skipped) -> None:
         loop["consecutive_skips"] = loop["consecutive_skips"] + 1 if flag else 0
 
 
+def _log_distributions(logger, step: int, reward_names, scores, train_batch, metrics) -> None:
+    """TensorBoard histograms of one iteration: each training reward over the samples, the
+    trained transitions' advantages, the update's per-sample log-ratios log π/π_old and the
+    gradient norm of each optimizer step. Every process calls it (gathers)."""
+    advantages = parallel.to_host(train_batch.advantages)
+    log_ratio = parallel.to_host(metrics["log_ratio"])
+    grad_norms = parallel.to_host(metrics["grad_norm"])
+    for name, values in zip(reward_names, np.asarray(scores)):
+        logger.histogram(step, f"train/rewards/{name}", values)
+    logger.histogram(step, "train/advantages", advantages)
+    logger.histogram(step, "train/log_ratio", log_ratio)
+    logger.histogram(step, "train/grad_norm_per_step", grad_norms)
+
+
+def _log_samples(logger, step: int, task, finals, scores, batch, algo, mesh, rules,
+                 prompts: int) -> None:
+    """TensorBoard image of the first `prompts` of process 0's training prompts: one group each
+    (the first branch step and granularity; a trajectory rollout's G samples), captioned with
+    the weighted reward and the sample's advantage within that group."""
+    rows = parallel.host_row_indices(mesh, scores.shape[1], rules)[:prompts]
+    local = parallel.local_rows(finals, mesh, rules=rules)[:len(rows), :algo.group_size]
+    if jax.process_index() != 0 or not len(rows):
+        return
+    group = np.asarray(scores)[:, rows, :algo.group_size]                  # [R, p, G]
+    weights = np.asarray(task.reward_weights, np.float32)[:, None, None]
+    reward = np.sum(weights * group, axis=0)
+    advantage = np.sum(weights * np.asarray(advantages_lib.group_advantages(
+        jnp.asarray(group), clip=algo.advantage_clip)), axis=0)
+    images = task.decode(local)                                             # [p, G, H, W, 3]
+    captions = [f"r {r:.3f} A {a:+.2f}" for r, a in zip(reward.ravel(), advantage.ravel())]
+    grid = held_out.grid_image(images.reshape(-1, *images.shape[2:]), captions,
+                               columns=algo.group_size, scale=max(1, 128 // images.shape[2]),
+                               title=f"iteration {step}: one group per prompt (r: reward, "
+                                     "A: advantage in the group)")
+    logger.image(step, "train/samples", np.asarray(grid))
+    logger.text(step, "train/samples_prompts", "\n".join(
+        f"{i + 1}. {batch.prompts[i]}" for i in range(len(rows))))
+
+
 def train(config, workdir: str, mesh, rules) -> dict:
     """RL fine-tuning on the task `config.task` (g2rpo_jax.tasks: "shapes" or "flux"); resumes
     the run in `workdir` if it has a checkpoint (README, "Checkpoints and resuming")."""
@@ -232,6 +272,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         workdir, keep_rows=loop["metrics_rows"],
         purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"])
     cleanup.callback(logger.close)
+    if not resumed:
+        logger.text(0, "config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
     images_dir = os.path.join(workdir, "images")
     storage.makedirs(images_dir)
     evaluator = task.evaluator
@@ -242,13 +284,19 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
             return {}
         evaluation = evaluator.evaluate(state.policy_params())
         scores = evaluation.means()
+        if jax.process_index() == 0:
+            # The same prompts and noise at every evaluation, so grids compare across
+            # iterations and runs.
+            title = f"iteration {iteration}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in scores.items())
+            grid = held_out.grid_image(evaluation.first_images[:grid_count, 0],
+                                       evaluator.prompts[:grid_count], title=title)
+            logger.image(iteration, "eval/samples", np.asarray(grid))
+            logger.text(iteration, "eval/scores", title)
+            if name:
+                with storage.open_atomic(os.path.join(images_dir, f"{name}.png")) as f:
+                    grid.save(f, format="PNG")
         logger.write(iteration, {f"eval/{k}": v for k, v in scores.items()})
-        if name and jax.process_index() == 0:
-            held_out.save_grid(
-                os.path.join(images_dir, f"{name}.png"), evaluation.first_images[:grid_count, 0],
-                evaluator.prompts[:grid_count],
-                title=f"{name} (iteration {iteration}): " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
     def save(iteration, wait=False):
@@ -326,6 +374,10 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
             state, metrics = compiled_update(state, train_batch, cond)
             summary = policy_update.summarize(metrics)   # on the host: waits for the update
         _count_skips(loop, metrics["skipped"])
+        _log_distributions(logger, it + 1, reward_names, scores, train_batch, metrics)
+        if settings.samples_every and (it + 1) % settings.samples_every == 0:
+            _log_samples(logger, it + 1, task, finals, scores, batch, algo, mesh,
+                         parallel.rules_from_config(rules), settings.sample_prompts)
         reward_mean = np.asarray(stats["reward_mean"])
         row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
         row["train/reward_std"] = float(np.mean(stats["reward_std"]))

@@ -1,6 +1,7 @@
 """The embedded default end to end: a shortened RL run of every algorithm from the shipped base,
 a shortened pre-training run, the shipped base against a random generator, and bad input."""
 
+import io
 import json
 import os
 
@@ -55,6 +56,7 @@ def _record_compile(event, duration, fun_name="", **_):
 @pytest.fixture(scope="module")
 def g2rpo_run(tmp_path_factory, data_dir, mesh):
     config = short_rl_config(data_dir)
+    config.train.samples_every = 2
     workdir = tmp_path_factory.mktemp("g2rpo")
     jax.monitoring.register_event_duration_secs_listener(_record_compile)
     try:
@@ -88,6 +90,44 @@ def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
             assert image.size[0] > 100 and image.size[1] > 100
     # The final evaluation in the summary is the last eval row.
     assert rows[-1]["eval/in_domain"] == pytest.approx(summary["final"]["in_domain"])
+
+
+def test_tensorboard_shows_samples_distributions_config_and_timings(g2rpo_run):
+    """Read back with tensorboard's own event reader: the held-out grid at every evaluation,
+    the training groups every `samples_every` iterations, histograms whose counts are the
+    iteration's samples / transitions, the config as text at step 0, the phase seconds."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    config, workdir, _ = g2rpo_run
+    events = ea.EventAccumulator(str(workdir / "tensorboard"), size_guidance={
+        ea.IMAGES: 0, ea.HISTOGRAMS: 0, ea.TENSORS: 0, ea.SCALARS: 0})
+    events.Reload()
+    assert [e.step for e in events.Images("eval/samples")] == [0, 1, 2]
+    samples = events.Images("train/samples")
+    assert [e.step for e in samples] == [2]
+    with Image.open(io.BytesIO(samples[0].encoded_image_string)) as grid:
+        # 2 prompts × one group of G = 4, at 128 px a sample (the shapes world's 32 px × 4).
+        assert grid.size[0] >= 4 * 128 and grid.size[1] >= 2 * 128
+    algo = config.algorithm
+    k, g, p = len(algo.branch_steps), algo.group_size, config.train.prompts_per_iteration
+    per_prompt = k * len(algo.granularities) * g
+    for step in (1, 2):
+        by_tag = {tag: next(e for e in events.Histograms(tag) if e.step == step)
+                  for tag in ("train/rewards/in_domain", "train/advantages", "train/log_ratio",
+                              "train/grad_norm_per_step")}
+        assert by_tag["train/rewards/in_domain"].histogram_value.num == p * per_prompt
+        assert by_tag["train/advantages"].histogram_value.num == k * p * g
+        # Normalised in each group and summed over Λ: mean 0.
+        assert abs(by_tag["train/advantages"].histogram_value.sum) < 1e-3
+        # One accumulated step per iteration: every sample on-policy, log-ratio 0.
+        log_ratio = by_tag["train/log_ratio"].histogram_value
+        assert log_ratio.num == k * p * g and max(abs(log_ratio.min), abs(log_ratio.max)) < 1e-5
+        assert by_tag["train/grad_norm_per_step"].histogram_value.num == 1
+    text = events.Tensors("config/text_summary")
+    assert [e.step for e in text] == [0]
+    assert '"group_size": 4' in text[0].tensor_proto.string_val[0].decode()
+    scalars = set(events.Tags()["scalars"])
+    assert {f"time/{name}_s" for name in metrics_lib.PHASES} <= scalars
 
 
 def test_phase_timings_in_metrics_and_summary(g2rpo_run):

@@ -209,7 +209,8 @@ def micro_batch_loss(params, item: TrainBatch, cond: dict, ref_params, *,
       algo: the algorithm (clip range, KL weight, log-prob reduction).
 
     Returns:
-      (loss, metrics): the scalar loss and `loss_lib.grpo_loss`'s metrics plus `loss`.
+      (loss, metrics): the scalar loss and `loss_lib.grpo_loss`'s metrics plus `loss` and
+      `log_ratio` [P, G] (log π/π_old of each sample).
     """
     lp, mean, std = log_prob_fn(params, item, cond)
     kl = None
@@ -221,7 +222,9 @@ def micro_batch_loss(params, item: TrainBatch, cond: dict, ref_params, *,
                                   reduce=algo.log_prob_reduce).reshape(p, g)
     loss, metrics = loss_lib.grpo_loss(lp, item.old_log_prob, item.advantages,
                                        algo.clip_range, kl=kl, kl_beta=algo.kl_beta)
-    return loss, dict(metrics, loss=loss)
+    # Per sample [P, G], for the run's histograms (train.py).
+    log_ratio = jax.lax.stop_gradient(lp - item.old_log_prob)
+    return loss, dict(metrics, loss=loss, log_ratio=log_ratio)
 
 
 def step_gradient(loss_fn: LossFn, params, ref_params, item: TrainBatch, cond_micro: dict,

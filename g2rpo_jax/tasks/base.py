@@ -48,6 +48,10 @@ class Task(Protocol):
         each process scores its own rows (`parallel.local_rows`) and `parallel.gather_rows`
         shares the scores."""
 
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """Packed latents [..., N, C] on this host → images [..., H, W, 3] in [0, 1], float32
+        (the run's sample grids)."""
+
     def data_state(self) -> dict:
         """The prompt stream's position (JSON), saved in the run's checkpoints."""
 

@@ -289,6 +289,9 @@ class FluxTask:
             parts.append({k: v[:b - a] for k, v in scores.items()})
         return {k: np.concatenate([s[k] for s in parts]).reshape(p, m) for k in parts[0]}
 
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.generator.decode(latents)
+
     def next_batch(self) -> Batch:
         batch = next(self.reader)
         cond = parallel.place_cond(

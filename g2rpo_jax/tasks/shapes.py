@@ -60,6 +60,7 @@ class ShapesTask:
         # model.lora.rank > 0: adapters on the policy before anything takes its graph.
         lora.from_config(self.generator.flux, config.model, config.seed, mesh, rules)
         self.prompts_per_iteration = config.train.prompts_per_iteration
+        self._decode = None
         self.policy = self.generator.flux
         self.latent_shape = self.generator.latent_shape
         self.reward_names = tuple(config.reward.train)
@@ -83,6 +84,11 @@ class ShapesTask:
                                   prompts=self.prompts_per_iteration)
         ids = np.asarray([self._prompt_index[p] for p in prompts], np.int32)
         return Batch(cond, prompts, ids)
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        if self._decode is None:
+            self._decode = jax.jit(self.generator.decode)
+        return np.asarray(self._decode(np.asarray(latents)), np.float32)
 
     def data_state(self) -> dict:
         return self.reader.state()
