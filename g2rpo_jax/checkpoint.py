@@ -51,7 +51,7 @@ RESUMABLE_FIELDS = (
 )
 
 # What train.start_over removes from a used workdir (the outputs of the run there).
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "tensorboard", "summary.json")
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "tensorboard", "summary.json", "summary.md")
 
 
 class CheckpointError(ValueError):

@@ -473,8 +473,57 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
                                 os.path.join(workdir, "reward_curves.png"),
                                 title=f"{config.algorithm.name}, seed {config.seed}")
         storage.write_json(os.path.join(workdir, "summary.json"), report)
+        markdown = summary_markdown(report, workdir, _outputs(workdir, state, config))
+        storage.write_text(os.path.join(workdir, "summary.md"), markdown)
         print_summary(report)
+        print(markdown.split("## Outputs", 1)[1].strip(), flush=True)
     return report
+
+
+def _outputs(workdir: str, state, config) -> list[tuple[str, str]]:
+    """(path relative to the workdir, what it is) of the run's outputs."""
+    out = [(f"checkpoints/{config.train.num_iterations}/", "the final Orbax checkpoint "
+            "(resume, `python -m g2rpo_jax.evaluate`, `python -m g2rpo_jax.export`)")]
+    if config.task == "shapes":
+        out.append(("generator.safetensors", "the fine-tuned generator"))
+    if state.frozen is not None:
+        out.append(("lora.safetensors", "the LoRA adapters (PEFT / diffusers layout)"))
+    out += [("metrics.jsonl", "every logged scalar, one row per step"),
+            ("tensorboard/", "scalars, sample grids, histograms, the config"),
+            ("reward_curves.png", "training reward, held-out scores, policy ratio"),
+            ("images/base.png, images/final.png", "held-out samples before and after"),
+            ("summary.json", "this summary as JSON")]
+    return out
+
+
+def summary_markdown(report: dict, workdir: str, outputs) -> str:
+    """summary.md: held-out scores base → final, seconds per phase, the outputs and the
+    command that opens TensorBoard."""
+    lines = [f"# {report['algorithm']}, seed {report['seed']}: {report['iterations']} "
+             f"iterations in {report['seconds']:.0f} s", "",
+             "| held-out score | base | final | change |", "|---|---:|---:|---:|"]
+    for name, base in report["base"].items():
+        final = report["final"][name]
+        lines.append(f"| {name} | {base:.4f} | {final:.4f} | {final - base:+.4f} |")
+    timing = report.get("timing") or {}
+    if timing:
+        lines += ["", f"{report['seconds_per_iteration']:.2f} s per iteration after the first "
+                  f"({report['first_iteration_seconds']:.1f} s, compiling); "
+                  f"{report['skipped_steps']} optimizer steps skipped.", "",
+                  "| phase | seconds | first iteration | median later |", "|---|---:|---:|---:|"]
+        for name in (*metrics_lib.PHASES, "compile"):
+            phase = timing["phases"].get(name, {})
+            lines.append(f"| {name} | {phase.get('total_s', 0.0):.1f} | "
+                         f"{phase.get('first_s', 0.0):.1f} | {phase.get('median_s', 0.0):.2f} |")
+        lines.append(f"| setup (base evaluation {timing['base_evaluation_s']:.1f}) | "
+                     f"{timing['setup_s']:.1f} | | |")
+        lines.append(f"| final evaluation + save | "
+                     f"{timing['final_evaluation_s'] + timing['final_checkpoint_s']:.1f} | | |")
+    lines += ["", "## Outputs", "", f"In `{storage.absolute(workdir)}`:", ""]
+    lines += [f"- `{path}`: {what}" for path, what in outputs]
+    lines += ["", f"Open TensorBoard: `tensorboard --logdir {storage.absolute(workdir)}/tensorboard`",
+              ""]
+    return "\n".join(lines)
 
 
 def _timing(loop: dict) -> dict:

@@ -90,6 +90,16 @@ def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
             assert image.size[0] > 100 and image.size[1] > 100
     # The final evaluation in the summary is the last eval row.
     assert rows[-1]["eval/in_domain"] == pytest.approx(summary["final"]["in_domain"])
+    # summary.md: the same scores, a row per phase, the outputs and the TensorBoard command.
+    markdown = (workdir / "summary.md").read_text()
+    for name, base in summary["base"].items():
+        final = summary["final"][name]
+        assert f"| {name} | {base:.4f} | {final:.4f} | {final - base:+.4f} |" in markdown
+    for name in metrics_lib.PHASES:
+        total = summary["timing"]["phases"][name]["total_s"]
+        assert f"| {name} | {total:.1f} |" in markdown
+    assert f"tensorboard --logdir {workdir}/tensorboard" in markdown
+    assert "- `generator.safetensors`: the fine-tuned generator" in markdown
 
 
 def test_tensorboard_shows_samples_distributions_config_and_timings(g2rpo_run):
