@@ -175,11 +175,15 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
       (skipped, not applied) after which the run stops with an error.
     samples_every: every that many iterations, TensorBoard shows one group of training samples
       for each of the first `sample_prompts` prompts, with rewards and advantages (0: never).
+    hacking_margin / hacking_window: a warning is logged (and kept in summary.json / .md) when
+      a held-out score the policy is not trained on falls by more than `hacking_margin` over
+      the last `hacking_window` evaluations while a trained one rises (0: off).
     """
     fields = dict(num_iterations=300, prompts_per_iteration=16, eval_every=50,
                   images_in_grid=16, checkpoint_every=50, checkpoint_every_seconds=0,
                   checkpoints_to_keep=3, async_checkpointing=True, start_over=False,
-                  max_consecutive_skips=10, samples_every=10, sample_prompts=2)
+                  max_consecutive_skips=10, samples_every=10, sample_prompts=2,
+                  hacking_margin=0.02, hacking_window=2)
     unknown = set(overrides) - set(fields)
     if unknown:
         raise ValueError(f"Unknown train fields {sorted(unknown)}; known: {sorted(fields)}.")

@@ -276,6 +276,51 @@ def series(rows: Sequence[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps), np.asarray(values, np.float64)
 
 
+def hacking_warnings(evaluations: Sequence[tuple[int, Mapping[str, float]]],
+                     trained: Sequence[str], untrained: Sequence[str], margin: float,
+                     window: int) -> list[str]:
+    """Reward-hacking signals: one line per held-out score the policy is not trained on that
+    fell by more than `margin` from the evaluation `window` evaluations back to the latest,
+    while a score it is trained on rose over the same evaluations.
+
+    Args:
+      evaluations: (iteration, {score: mean}) of every held-out evaluation so far, in order.
+      trained / untrained: the score names trained on (in-domain) and not.
+      margin: the fall that counts (in the score's units); 0 turns the check off.
+      window: how many evaluations back the latest is compared with.
+    """
+    if margin <= 0 or window <= 0 or len(evaluations) <= window:
+        return []
+    (start, old), (end, new) = evaluations[-1 - window], evaluations[-1]
+    rose = {k: new[k] - old[k] for k in trained if k in old and k in new and new[k] > old[k]}
+    if not rose:
+        return []
+    gains = ", ".join(f"{k} {old[k]:.3f} → {new[k]:.3f}" for k in rose)
+    return [f"Possible reward hacking: from iteration {start} to {end} the held-out {gains} "
+            f"rose while {k}, not trained on, fell {old[k]:.3f} → {new[k]:.3f} (more than "
+            f"train.hacking_margin={margin}). Look at the samples (TensorBoard eval/samples, "
+            "train/samples)."
+            for k in untrained if k in old and k in new and old[k] - new[k] > margin]
+
+
+def changes_since_base(rows: Sequence[dict], trained: Sequence[str],
+                       untrained: Sequence[str]) -> tuple[list[dict], list[str]]:
+    """Rows with `change/<score> (trained|not trained)` = eval/<score> − its first value, and
+    those names: the held-out scores trained on and not, on one axis (`plot_curves`)."""
+    first: dict[str, float] = {}
+    names = {k: f"change/{k} (trained)" for k in trained}
+    names.update({k: f"change/{k} (not trained)" for k in untrained})
+    out = []
+    for row in rows:
+        extra = {}
+        for k, name in names.items():
+            if f"eval/{k}" in row:
+                first.setdefault(k, row[f"eval/{k}"])
+                extra[name] = row[f"eval/{k}"] - first[k]
+        out.append({**row, **extra} if extra else row)
+    return out, list(names.values())
+
+
 def plot_curves(rows: Sequence[dict], panels: Mapping[str, Sequence[str]], path: str,
                 title: str = "") -> str:
     """One panel per entry of `panels` (panel title → metric names), steps on x; a PNG."""

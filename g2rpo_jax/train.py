@@ -60,7 +60,7 @@ def _fresh_loop_state() -> dict:
             "metrics_rows": 0, "elapsed_seconds": 0.0, "iteration_seconds": [],
             "session_starts": [], "phase_seconds": [], "compile_seconds": {},
             "other_seconds": {},
-            "skipped_steps": 0, "consecutive_skips": 0}
+            "skipped_steps": 0, "consecutive_skips": 0, "evaluations": [], "warnings": []}
 
 
 def _sum_seconds(*parts: dict) -> dict:
@@ -260,6 +260,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         loop.setdefault("phase_seconds", [{} for _ in loop["iteration_seconds"]])
         loop.setdefault("compile_seconds", {})
         loop.setdefault("other_seconds", {})
+        loop.setdefault("evaluations", [])
+        loop.setdefault("warnings", [])
         logging.info("Resuming %s from iteration %d (%s).", workdir, start_iteration,
                      run.step_dir(start_iteration))
     sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
@@ -297,6 +299,13 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
                 with storage.open_atomic(os.path.join(images_dir, f"{name}.png")) as f:
                     grid.save(f, format="PNG")
         logger.write(iteration, {f"eval/{k}": v for k, v in scores.items()})
+        loop["evaluations"].append([iteration, scores])
+        for line in metrics_lib.hacking_warnings(
+                loop["evaluations"], task.in_domain,
+                [k for k in task.score_names if k not in task.in_domain],
+                settings.hacking_margin, settings.hacking_window):
+            logging.warning(line)
+            loop["warnings"].append(line)
         return scores
 
     def save(iteration, wait=False):
@@ -457,6 +466,7 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
               "skipped_steps": loop["skipped_steps"],
               "algorithm": config.algorithm.name, "seed": config.seed,
               "checkpoint": run.step_dir(iterations),
+              "warnings": list(loop["warnings"]),
               "timing": _timing(loop)}
     if jax.process_index() == 0:
         policy = nnx.merge(graphdef, state.policy_params())
@@ -466,8 +476,11 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
         task.save(workdir, policy,
                   {k: report[k] for k in ("base", "final", "iterations", "algorithm", "seed")})
         rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+        rows, changes = metrics_lib.changes_since_base(
+            rows, task.in_domain, [k for k in task.score_names if k not in task.in_domain])
         panels = {"training reward": [f"train/reward_{n}" for n in reward_names],
                   "held-out scores": [f"eval/{k}" for k in task.score_names],
+                  "held-out change since base: trained vs not": changes,
                   "policy ratio": ["train/ratio_min", "train/ratio_max", "train/clip_fraction"]}
         metrics_lib.plot_curves(rows, {k: v for k, v in panels.items() if v},
                                 os.path.join(workdir, "reward_curves.png"),
@@ -490,7 +503,8 @@ def _outputs(workdir: str, state, config) -> list[tuple[str, str]]:
         out.append(("lora.safetensors", "the LoRA adapters (PEFT / diffusers layout)"))
     out += [("metrics.jsonl", "every logged scalar, one row per step"),
             ("tensorboard/", "scalars, sample grids, histograms, the config"),
-            ("reward_curves.png", "training reward, held-out scores, policy ratio"),
+            ("reward_curves.png", "training reward, held-out scores and their change since "
+             "base (trained vs not), policy ratio"),
             ("images/base.png, images/final.png", "held-out samples before and after"),
             ("summary.json", "this summary as JSON")]
     return out
@@ -519,6 +533,8 @@ def summary_markdown(report: dict, workdir: str, outputs) -> str:
                      f"{timing['setup_s']:.1f} | | |")
         lines.append(f"| final evaluation + save | "
                      f"{timing['final_evaluation_s'] + timing['final_checkpoint_s']:.1f} | | |")
+    if report.get("warnings"):
+        lines += ["", "## Warnings", ""] + [f"- {line}" for line in report["warnings"]]
     lines += ["", "## Outputs", "", f"In `{storage.absolute(workdir)}`:", ""]
     lines += [f"- `{path}`: {what}" for path, what in outputs]
     lines += ["", f"Open TensorBoard: `tensorboard --logdir {storage.absolute(workdir)}/tensorboard`",

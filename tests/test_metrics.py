@@ -58,3 +58,36 @@ def test_by_step_groups_prefixed_scalars_in_step_order():
     assert metrics.by_step(rows, "eval/") == {
         0: {"in_domain": 0.32, "quality": 0.99}, 6: {"in_domain": 0.35, "quality": 0.98}}
     assert list(metrics.by_step(rows, "train/")) == [3, 6]
+
+
+def test_hacking_warning_when_a_trained_score_rises_and_an_untrained_one_falls():
+    evaluations = [(0, {"in_domain": 0.30, "out_of_domain": 0.70, "quality": 0.99}),
+                   (6, {"in_domain": 0.33, "out_of_domain": 0.69, "quality": 0.99}),
+                   (12, {"in_domain": 0.36, "out_of_domain": 0.66, "quality": 0.985})]
+    trained, untrained = ["in_domain"], ["out_of_domain", "quality"]
+    lines = metrics.hacking_warnings(evaluations, trained, untrained, margin=0.02, window=2)
+    # out_of_domain fell 0.04 > 0.02 over the last 2 evaluations; quality only 0.005.
+    assert len(lines) == 1
+    assert ("from iteration 0 to 12 the held-out in_domain 0.300 → 0.360 rose while "
+            "out_of_domain, not trained on, fell 0.700 → 0.660") in lines[0]
+    # One evaluation back the fall is 0.03: still past 0.02; with margin 0.05 nothing.
+    assert len(metrics.hacking_warnings(evaluations, trained, untrained, 0.02, 1)) == 1
+    assert metrics.hacking_warnings(evaluations, trained, untrained, 0.05, 2) == []
+    # The trained score did not rise: a fall of the others alone is not hacking.
+    flat = [(i, dict(s, in_domain=0.30)) for i, s in evaluations]
+    assert metrics.hacking_warnings(flat, trained, untrained, 0.02, 2) == []
+    # Too few evaluations, or the check off.
+    assert metrics.hacking_warnings(evaluations[:2], trained, untrained, 0.02, 2) == []
+    assert metrics.hacking_warnings(evaluations, trained, untrained, 0.0, 2) == []
+
+
+def test_changes_since_base_put_trained_and_untrained_scores_on_one_axis():
+    rows = [{"step": 0, "eval/in_domain": 0.3, "eval/quality": 0.9},
+            {"step": 1, "train/loss": 1.0},
+            {"step": 2, "eval/in_domain": 0.35, "eval/quality": 0.85}]
+    out, names = metrics.changes_since_base(rows, ["in_domain"], ["quality"])
+    assert names == ["change/in_domain (trained)", "change/quality (not trained)"]
+    assert out[1] == rows[1]
+    assert out[2]["change/in_domain (trained)"] == pytest.approx(0.05)
+    assert out[2]["change/quality (not trained)"] == pytest.approx(-0.05)
+    assert out[0]["change/quality (not trained)"] == 0.0

@@ -73,6 +73,7 @@ def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
     config, workdir, report = g2rpo_run
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["seconds"] > 0
+    assert isinstance(summary["warnings"], list)   # reward-hacking signals (test_metrics)
     for part in ("base", "final"):
         assert set(summary[part]) == {"in_domain", "out_of_domain", "quality"}
         assert all(0.0 <= v <= 1.0 for v in summary[part].values())
