@@ -135,6 +135,11 @@ def is_resumable_field(name: str) -> bool:
     return any(name == f or (f.endswith(".") and name.startswith(f)) for f in RESUMABLE_FIELDS)
 
 
+def _first_lines(lines: list[str], limit: int = 12) -> str:
+    return "\n".join(lines[:limit]) + (
+        f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+
+
 def _describe_differences(differences: dict, limit: int = 12) -> str:
     lines = [f"  {k}: {a!r} in the checkpoint, {b!r} now"
              for k, (a, b) in list(differences.items())[:limit]]
@@ -228,10 +233,9 @@ class RunCheckpoints:
         if stored_params is not None:
             mismatched = model_differences(stored_params, target_tree["params"])
             if mismatched:
-                shown = "\n".join(mismatched[:12]) + (
-                    f"\n  ... and {len(mismatched) - 12} more" if len(mismatched) > 12 else "")
                 raise CheckpointError(
-                    f"The checkpoint {self.step_dir(step)} belongs to another model:\n{shown}\n"
+                    f"The checkpoint {self.step_dir(step)} belongs to another model:\n"
+                    f"{_first_lines(mismatched)}\n"
                     f"Config fields that differ:\n{_describe_differences(differences)}\n"
                     "Resume with the config it was written with, use another --workdir, or "
                     "start over there with --config.train.start_over=True.")
@@ -345,10 +349,9 @@ def check_params(step_dir: str, abstract_params, config) -> None:
                                                   config_json(config)).items()
               if k.startswith("model.")}
     if mismatched:
-        shown = "\n".join(mismatched[:12]) + (
-            f"\n  ... and {len(mismatched) - 12} more" if len(mismatched) > 12 else "")
         raise CheckpointError(
-            f"The checkpoint {step_dir} belongs to another model:\n{shown}\nModel config fields "
+            f"The checkpoint {step_dir} belongs to another model:\n{_first_lines(mismatched)}\n"
+            "Model config fields "
             f"that differ from the run's:\n{_describe_differences(fields) or '  (none)'}\nUse the "
             "config the run was trained with (saved in the step's config/ folder).")
 

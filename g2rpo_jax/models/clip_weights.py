@@ -12,15 +12,17 @@ Two checkpoint layouts load into the same modules (`from_pretrained`):
   `open_clip_config.json`, or inferred from tensor shapes (see `config_from_open_clip_checkpoint`
   for what shapes cannot tell).
 
-Safetensors only: PyTorch pickles (`.pt`, `.bin`, `.pth`) are converted once, ahead of time, by
+Safetensors only, torch never imported, nothing written beside the inputs (a read-only mount
+works): PyTorch pickles (`.pt`, `.pth`, `.bin`, `.ckpt`, a hub folder's
+open_clip_pytorch_model.bin or pytorch_model.bin) are converted once, ahead of time, by
 `python -m g2rpo_jax.convert SRC [DST]` (`models/torch_checkpoints.py`, the one place that needs
-torch); given a pickle, the loader reads its converted file beside it or names the command.
+torch); given a pickle, the loader reads its converted file beside it or stops with
+`torch_checkpoints.NeedsConversionError`, which names the command.
 """
 
 from collections.abc import Callable, Mapping
 import dataclasses
 import json
-import logging
 import math
 import os
 from pathlib import Path
@@ -343,16 +345,23 @@ def config_from_open_clip_checkpoint(checkpoint, quick_gelu: bool = False,
 
 
 def open_checkpoint(path: str | os.PathLike) -> weights.SafetensorsCheckpoint:
-    """A safetensors file or folder. For a PyTorch pickle (.pt / .pth / .bin), its converted
-    safetensors beside it (`python -m g2rpo_jax.convert`); without one, NeedsConversionError
-    names the command. Nothing is written and torch is not needed."""
+    """A safetensors file or folder, read lazily. For a PyTorch pickle (.pt / .pth / .bin /
+    .ckpt), its converted safetensors beside it (`python -m g2rpo_jax.convert`, logged);
+    without one, NeedsConversionError names the command. Torch is never imported and nothing
+    is written, so a read-only folder or bucket copy works."""
     path = Path(path)
     if torch_checkpoints.is_torch_checkpoint(path):
-        converted = torch_checkpoints.require_converted(path)
-        logging.getLogger(__name__).info("Reading %s, the converted safetensors of %s.",
-                                         converted, path)
-        path = converted
+        path = torch_checkpoints.require_converted(path)
     return weights.SafetensorsCheckpoint(path)
+
+
+def _transformers_checkpoint(path: Path) -> weights.SafetensorsCheckpoint:
+    """A transformers folder's model*.safetensors; a folder holding only pytorch_model.bin
+    stops with the command that converts it (NeedsConversionError)."""
+    pickle = path / "pytorch_model.bin"
+    if pickle.exists() and not any(path.glob("model*.safetensors*")):
+        torch_checkpoints.require_converted(pickle)
+    return weights.SafetensorsCheckpoint(path, prefix="model")
 
 
 def _resolve(path: Path, config) -> tuple[weights.SafetensorsCheckpoint, str, clip.CLIPConfig | None]:
@@ -370,7 +379,7 @@ def _resolve(path: Path, config) -> tuple[weights.SafetensorsCheckpoint, str, cl
                 config = json.loads(open_clip_json.read_text())["model_cfg"]
             path = found
         elif (path / "config.json").exists():
-            checkpoint = weights.SafetensorsCheckpoint(path, prefix="model")
+            checkpoint = _transformers_checkpoint(path)
             if config is None:
                 config = config_from_transformers(json.loads((path / "config.json").read_text()),
                                                   checkpoint)
@@ -378,7 +387,8 @@ def _resolve(path: Path, config) -> tuple[weights.SafetensorsCheckpoint, str, cl
     if not path.exists():
         raise FileNotFoundError(f"No CLIP checkpoint at {path}: give a transformers folder "
                                 "(config.json + model.safetensors), an OpenCLIP folder "
-                                "(open_clip_config.json + weights), or a .safetensors / .pt file.")
+                                "(open_clip_config.json + weights), or a .safetensors file (a .pt / .pth "
+                                "beside its conversion by python -m g2rpo_jax.convert).")
     checkpoint = open_checkpoint(path)
     layout = detect_layout(checkpoint)
     if config is None and layout == "transformers" and (path.parent / "config.json").exists():
@@ -412,8 +422,8 @@ def from_pretrained(path: str | os.PathLike, config: clip.CLIPConfig | str | Map
     Args:
       path: a transformers folder (config.json + model.safetensors or a sharded index), an
         OpenCLIP hub folder (open_clip_config.json + open_clip_model.safetensors or
-        open_clip_pytorch_model.bin, converted), or a single .safetensors file (a .pt / .bin /
-        .pth file is read through its converted safetensors: `open_checkpoint`).
+        open_clip_pytorch_model.bin, converted), or a single .safetensors file (a .pt / .pth /
+        .bin / .ckpt file is read through its converted safetensors: `open_checkpoint`).
       config: a CLIPConfig, an OpenCLIP model-config dict or a name in clip.OPEN_CLIP_CONFIGS
         ("ViT-H-14" for HPS-v2.1, "ViT-H-14-quickgelu" for DFN5B, "ViT-L-14-quickgelu" for
         OpenAI's ViT-L/14); None reads config.json / open_clip_config.json or infers an OpenCLIP
@@ -426,6 +436,8 @@ def from_pretrained(path: str | os.PathLike, config: clip.CLIPConfig | str | Map
 
     Raises:
       FileNotFoundError: nothing loadable at path.
+      torch_checkpoints.NeedsConversionError (a FileNotFoundError): a PyTorch checkpoint without
+        its converted safetensors; names the `python -m g2rpo_jax.convert` command.
       weights.CheckpointMismatchError: missing, unused or mis-shaped tensors, each named with
         both shapes.
     """

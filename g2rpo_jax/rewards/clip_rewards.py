@@ -26,6 +26,10 @@ antialiased bicubic to ~1e-5, and differs from the 8-bit references by their rou
 their clamping of bicubic overshoot. Both are measured in tests/rewards/test_clip_rewards.py
 (printed with `-s`). The exact path runs two int32 matmuls per image (12 images of 720² took
 0.74 s on 2 CPU cores against 0.32 s for "float"; nothing next to a ViT-H forward pass).
+Checkpoints are read as safetensors only, without torch and without writing beside them: the
+published PyTorch files (HPS-v2.1's .pt, OpenAI's ViT-L-14.pt, the aesthetic head's .pth, an
+OpenCLIP folder's .bin) are converted once by `python -m g2rpo_jax.convert SRC [DST]`
+(`models/torch_checkpoints.py`).
 """
 
 from collections.abc import Sequence
@@ -281,7 +285,8 @@ class AestheticHead(nnx.Module):
 def load_aesthetic_head(path: str | os.PathLike) -> AestheticHead:
     """Loads the predictor's state dict (`layers.{0,2,4,6,7}.{weight,bias}`) from safetensors
     (sac+logos+ava1-l14-linearMSE.pth converted once by `python -m g2rpo_jax.convert`; given the
-    .pth, its converted file beside it is read)."""
+    .pth, its converted file beside it is read, and without one NeedsConversionError names the
+    command: `clip_weights.open_checkpoint`)."""
     checkpoint = clip_weights.open_checkpoint(path)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: AestheticHead(nnx.Rngs(0))))
 
@@ -347,7 +352,8 @@ def _load(path, config, dtype, mesh, rules, towers=None) -> clip.CLIP:
 def hps(path: str | os.PathLike, *, tokenizer=None, config="ViT-H-14", dtype: str | None = None,
         mesh=None, rules=sharding_lib.DEFAULT_RULES,
         preprocess: Preprocess = HPS_PREPROCESS) -> ClipReward:
-    """HPS-v2.1: OpenCLIP ViT-H-14 (HPS_v2.1_compressed.pt converted to safetensors); score =
+    """HPS-v2.1: OpenCLIP ViT-H-14 (HPS_v2.1_compressed.pt converted once to
+    HPS_v2.1_compressed.safetensors; given the .pt, that file beside it is read); score =
     normalised image · normalised text (HPSv2's `diagonal(image_features @ text_features.T)`)."""
     model = _load(path, config, dtype, mesh, rules)
     return ClipReward(model, _tokenizer(tokenizer, None, "hps"), preprocess=preprocess,
@@ -390,8 +396,8 @@ def aesthetic(path: str | os.PathLike, *, clip_path: str | os.PathLike, clip_con
               dtype: str | None = None, mesh=None, rules=sharding_lib.DEFAULT_RULES,
               preprocess: Preprocess = AESTHETIC_PREPROCESS) -> AestheticReward:
     """LAION improved aesthetic predictor: `path` is its MLP state dict; `clip_path` OpenAI's
-    CLIP ViT-L/14 (a transformers folder, or OpenAI's ViT-L-14.pt converted to safetensors:
-    config "ViT-L-14-quickgelu" is then used). Only the image tower is loaded."""
+    CLIP ViT-L/14 (a transformers folder, or OpenAI's TorchScript ViT-L-14.pt converted once to
+    safetensors: config "ViT-L-14-quickgelu" is then used). Only the image tower is loaded."""
     clip_path = Path(os.fspath(clip_path))
     if clip_config is None and clip_path.is_file() and not (clip_path.parent / "config.json").exists():
         # An OpenAI / OpenCLIP-layout file: shapes cannot tell its QuickGELU.

@@ -8,10 +8,12 @@ Built in:
 | "clip_score" | clip_rewards.clip_score | DFN5B-CLIP-ViT-H-14 folder or weights; tokenizer= |
 | "pickscore" | clip_rewards.pickscore | PickScore_v1 transformers folder |
 | "aesthetic" | clip_rewards.aesthetic | the LAION MLP (.safetensors); clip_path= OpenAI ViT-L/14 |
-
-PyTorch files (.pt / .pth / .bin) are converted once by `python -m g2rpo_jax.convert SRC [DST]`
-(needs torch); at run time only safetensors are read.
 | "remote" | RemoteReward | the URL (or url=) of an HTTP scoring service |
+
+At run time only safetensors are read (torch is never imported, nothing is written beside the
+checkpoints). PyTorch files (.pt / .pth / .bin / .ckpt) are converted once by
+`python -m g2rpo_jax.convert SRC [DST]` (the one step that needs torch); a reward given such a
+file reads its converted file beside it, or stops with NeedsConversionError naming the command.
 
 `register(name, factory)` adds one (a factory is called as factory(path, **kw) when a path is
 given, else factory(**kw)).

@@ -29,7 +29,7 @@ from g2rpo_jax import rewards as rewards_lib
 from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.models import autoencoder as autoencoder_lib
-from g2rpo_jax.models import autoencoder_weights, flux, flux_weights, lora
+from g2rpo_jax.models import autoencoder_weights, flux, flux_weights, lora, torch_checkpoints
 from g2rpo_jax.tasks.base import Batch
 
 REQUIRED_SECTIONS = ("autoencoder", "text", "image", "data", "reward", "train", "evaluation")
@@ -134,10 +134,14 @@ class RewardModels:
         self._models = {}
 
     def _resolve(self, path: str) -> str:
-        """Relative to reward.root; a gs:// file or folder: its local copy (storage.local)."""
+        """Relative to reward.root; a gs:// file or folder: its local copy (storage.local). A
+        gs:// PyTorch checkpoint: the local copy of its converted safetensors beside it (the
+        pickle is never downloaded), or NeedsConversionError naming the converter command."""
         if path and self.root and not os.path.isabs(path) and "://" not in path:
             path = os.path.join(self.root, path)
         if path and storage.is_remote(path):
+            if torch_checkpoints.is_torch_checkpoint(path):
+                path = torch_checkpoints.require_converted(path)
             try:
                 return storage.local(path)
             except FileNotFoundError:

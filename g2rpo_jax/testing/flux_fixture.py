@@ -137,8 +137,9 @@ def write_tiny_rewards(directory: str, seed: int = 0) -> dict[str, str]:
     torch.save({"state_dict": {k: torch.from_numpy(v) for k, v in
                                clip_reference.hf_to_open_clip(hps.state_dict()).items()}},
                paths["hps.pt"])
-    # The one-time conversion a user runs (the rewards read safetensors only).
-    hps_file = str(torch_checkpoints.convert_torch_checkpoint(paths["hps.pt"]))
+    # The one-time conversion a user runs (python -m g2rpo_jax.convert; the rewards read
+    # safetensors only); a rewritten fixture replaces its earlier conversion.
+    hps_file = str(torch_checkpoints.convert_torch_checkpoint(paths["hps.pt"], overwrite=True))
     # DFN5B's hub layout: open_clip_config.json (model and preprocessing) + weights.
     dfn = clip_reference.tiny_clip(16, seed + 1)
     os.makedirs(paths["clip_score"], exist_ok=True)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from g2rpo_jax import parallel
+from g2rpo_jax import convert, parallel
 from g2rpo_jax.models import clip, clip_text, clip_weights, weights
 from g2rpo_jax.models.safetensors_io import write_safetensors
 from g2rpo_jax.testing.clip_reference import byte_level_tokenizer, hf_to_open_clip, randomize
@@ -328,20 +328,22 @@ def test_open_clip_parity(tmp_path, quick_gelu):
     expected = _open_clip_outputs(reference, ids, pixels)
     _compare(f"open_clip quick_gelu={quick_gelu}", _jax_outputs(model, ids, pixels), expected)
 
-    # HPS-v2.1 ships a torch pickle {"state_dict": ...}: converted once beside it. An OpenCLIP
-    # hub folder has open_clip_config.json + open_clip_model.safetensors. Both: the same weights.
+    # HPS-v2.1 ships a torch pickle {"state_dict": ...}: converted once beside it, then read
+    # given either name. An OpenCLIP hub folder has open_clip_config.json +
+    # open_clip_model.safetensors. All: the same weights.
     torch.save({"state_dict": reference.state_dict(), "epoch": 1}, tmp_path / "hps_like.pt")
+    assert convert.main([str(tmp_path / "hps_like.pt")]) == 0
     hub = tmp_path / "hub"
     hub.mkdir()
     write_safetensors(hub / "open_clip_model.safetensors", state)
     (hub / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg}))
     for other in (clip_weights.from_pretrained(tmp_path / "hps_like.pt", model_cfg),
+                  clip_weights.from_pretrained(tmp_path / "hps_like.safetensors", model_cfg),
                   clip_weights.from_pretrained(hub)):
         assert other.cfg == model.cfg
         for a, b in zip(jax.tree.leaves(nnx.state(other)), jax.tree.leaves(nnx.state(model)),
                         strict=True):
             np.testing.assert_array_equal(a, b)
-    assert (tmp_path / "hps_like.safetensors").exists()
 
     # Shapes give everything but the activation and the head width.
     inferred = clip_weights.config_from_open_clip_checkpoint(
