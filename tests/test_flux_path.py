@@ -103,6 +103,7 @@ def run(fixture_root, prepared, mesh, tmp_path_factory):
     _, overrides = fixture_root
     config = tiny_config(overrides)
     config.train.eval_every = 0
+    config.train.samples_every = 2   # the training samples decoded by the FLUX autoencoder
     workdir = str(tmp_path_factory.mktemp("train"))
     start = time.perf_counter()
     with pytest.MonkeyPatch.context() as patch:
@@ -135,8 +136,16 @@ def test_one_iteration_end_to_end(run, mesh):
     moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
              for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(trained))]
     assert max(moved) > 0 and all(np.isfinite(moved))
-    for name in ("images/base.png", "images/final.png", "reward_curves.png", "summary.json"):
+    for name in ("images/base.png", "images/final.png", "reward_curves.png", "summary.json",
+                 "summary.md"):
         assert os.path.exists(os.path.join(workdir, name))
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    events = ea.EventAccumulator(os.path.join(workdir, "tensorboard"),
+                                 size_guidance={ea.IMAGES: 0})
+    events.Reload()
+    assert [e.step for e in events.Images("train/samples")] == [2]
+    assert [e.step for e in events.Images("eval/samples")] == [0, 2]
     # The same per-phase timing as the shapes task (tests/test_train.py checks it in detail).
     for row in train_rows:
         assert all(row[f"time/{name}_s"] >= 0 for name in metrics.PHASES)

@@ -8,13 +8,16 @@ transformers' PIL image processor, models with transformers.
 """
 
 import base64
+import builtins
 import collections
 import email.utils
 import http.server
 import io
 import json
 import logging
+import os
 import random
+import shutil
 import socket
 import struct
 import threading
@@ -29,7 +32,8 @@ from PIL import Image
 import pytest
 import torch
 
-from g2rpo_jax.models import clip, clip_text, torch_checkpoints
+from g2rpo_jax import convert
+from g2rpo_jax.models import clip, clip_text, clip_weights, torch_checkpoints
 from g2rpo_jax.models.safetensors_io import write_safetensors
 from g2rpo_jax.rewards import clip_rewards as cr
 from g2rpo_jax.rewards import registry
@@ -160,10 +164,11 @@ def setup(tmp_path_factory):
     torch.save({"state_dict": {k: torch.from_numpy(v) for k, v in
                                hf_to_open_clip(model.state_dict()).items()}}, root / "hps.pt")
     write_safetensors(root / "dfn5b.safetensors", hf_to_open_clip(model.state_dict()))
-    # DFN5B's hub folder: open_clip_config.json (model and preprocessing) + weights.
+    # DFN5B's hub folder: open_clip_config.json (model and preprocessing) + weights, here the
+    # PyTorch open_clip_pytorch_model.bin (converted below into the folder).
     (root / "dfn5b").mkdir()
-    write_safetensors(root / "dfn5b" / "open_clip_model.safetensors",
-                      hf_to_open_clip(model.state_dict()))
+    torch.save({k: torch.from_numpy(v) for k, v in hf_to_open_clip(model.state_dict()).items()},
+               root / "dfn5b" / "open_clip_pytorch_model.bin")
     (root / "dfn5b" / "open_clip_config.json").write_text(json.dumps({
         "model_cfg": {"embed_dim": 16,
                       "vision_cfg": {"image_size": 224, "layers": 2, "width": 32, "head_width": 8,
@@ -178,15 +183,33 @@ def setup(tmp_path_factory):
     # The aesthetic predictor: a 768-d CLIP image tower + LAION's MLP state dict (.pth).
     aesthetic_clip = tiny_clip(768, seed=1)
     aesthetic_clip.save_pretrained(root / "clip_l14", safe_serialization=True)
+    # ... and as OpenAI publishes ViT-L-14.pt: a TorchScript archive, OpenCLIP key names.
+    torch.jit.save(openai_torchscript(hf_to_open_clip(aesthetic_clip.state_dict())),
+                   root / "ViT-L-14.pt")
     head = LaionMLP()
     torch.save(head.state_dict(), root / "aesthetic.pth")
-    # The one-time conversion a user runs (python -m g2rpo_jax.convert): the rewards read the
-    # safetensors, given either path.
-    for name in ("hps.pt", "aesthetic.pth"):
-        torch_checkpoints.convert_torch_checkpoint(root / name)
+    # The one-time conversion a user runs: the rewards read the safetensors, given either path.
+    for name in ("hps.pt", "aesthetic.pth", "ViT-L-14.pt", "dfn5b/open_clip_pytorch_model.bin"):
+        assert convert.main([str(root / name)]) == 0
     images = np.stack([known_image(241, 322, seed=s) for s in (1, 2)]) / 255.0
     return dict(root=root, model=model, aesthetic_clip=aesthetic_clip, head=head,
                 images=images.astype(np.float32))
+
+
+def openai_torchscript(tensors: dict[str, np.ndarray]) -> torch.jit.ScriptModule:
+    """A TorchScript module whose state dict is `tensors` plus the int buffers of OpenAI's
+    archives (input_resolution, context_length, vocab_size), as in ViT-L-14.pt."""
+    root = torch.nn.Module()
+    extras = {"input_resolution": 224, "context_length": 77, "vocab_size": 514}
+    for key, value in {**tensors, **extras}.items():
+        *path, leaf = key.split(".")
+        module = root
+        for name in path:
+            if name not in module._modules:
+                module.add_module(name, torch.nn.Module())
+            module = module._modules[name]
+        module.register_buffer(leaf, torch.as_tensor(value))
+    return torch.jit.script(root)
 
 
 class LaionMLP(torch.nn.Module):
@@ -266,9 +289,19 @@ def test_pickscore_matches_reference(setup):
     assert _err(got, expected) <= 1e-4
 
 
-def test_aesthetic_matches_reference(setup):
+@pytest.mark.parametrize("clip_source", ["transformers_folder", "openai_torchscript"])
+def test_aesthetic_matches_reference(setup, clip_source):
+    """The head from its converted .pth; the CLIP from a transformers folder or from OpenAI's
+    TorchScript .pt, converted (OpenCLIP keys; its architecture given, as shapes cannot tell the
+    activation)."""
     root = setup["root"]
-    reward = registry.get("aesthetic", root / "aesthetic.pth", clip_path=root / "clip_l14")
+    if clip_source == "transformers_folder":
+        reward = registry.get("aesthetic", root / "aesthetic.pth", clip_path=root / "clip_l14")
+    else:
+        cfg = clip_weights.config_from_transformers(
+            json.loads((root / "clip_l14" / "config.json").read_text()))
+        reward = registry.get("aesthetic", root / "aesthetic.safetensors",
+                              clip_path=root / "ViT-L-14.pt", clip_config=cfg)
     got = np.asarray(reward(setup["images"], PROMPTS))
     pixels = np.stack([reference_pixels(np.round(im * 255).astype(np.uint8))
                        for im in setup["images"]])
@@ -316,6 +349,91 @@ def test_reward_factories_explain_what_is_missing(setup):
     with pytest.raises(ValueError, match="768-d"):
         registry.get("aesthetic", setup["root"] / "aesthetic.pth",
                      clip_path=setup["root"] / "pickscore")
+
+
+def _no_torch(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch imported at run time: import {name}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+
+
+def _listing(folder) -> list[tuple[str, int]]:
+    """Every file under `folder` with its modification time, sorted."""
+    return sorted((os.path.relpath(os.path.join(d, n), folder),
+                   os.stat(os.path.join(d, n)).st_mtime_ns)
+                  for d, _, names in os.walk(folder) for n in names)
+
+
+def test_published_names_read_their_conversions_without_torch_or_writes(setup, tmp_path,
+                                                                         monkeypatch):
+    """Given the published PyTorch files (converted once beside them), the rewards read the
+    safetensors: torch is not imported, and nothing is written, in a folder made read-only
+    (root ignores that mode; the unchanged listing is the check that always holds)."""
+    root = setup["root"]
+    ro = tmp_path / "read_only"
+    shutil.copytree(root, ro)
+    before = _listing(ro)
+    for d, _, _ in os.walk(ro):
+        os.chmod(d, 0o555)
+    try:
+        _no_torch(monkeypatch)
+        hps = registry.get("hps", ro / "hps.pt", tokenizer=ro / "tokenizer", config=TINY_CONFIG)
+        score = registry.get("clip_score", ro / "dfn5b", tokenizer=ro / "tokenizer")
+        cfg = clip_weights.config_from_transformers(
+            json.loads((ro / "clip_l14" / "config.json").read_text()))
+        aesthetic = registry.get("aesthetic", ro / "aesthetic.pth", clip_path=ro / "ViT-L-14.pt",
+                                 clip_config=cfg)
+        monkeypatch.undo()
+        expected = registry.get("hps", root / "hps.safetensors", tokenizer=root / "tokenizer",
+                                config=TINY_CONFIG)
+        np.testing.assert_array_equal(hps(setup["images"], PROMPTS),
+                                      expected(setup["images"], PROMPTS))
+        assert np.all(np.isfinite(score(setup["images"], PROMPTS)))
+        assert np.all(np.isfinite(aesthetic(setup["images"], PROMPTS)))
+        assert _listing(ro) == before
+    finally:
+        for d, _, _ in os.walk(ro):
+            os.chmod(d, 0o755)
+
+
+@pytest.mark.parametrize("published", ["hps_pt", "aesthetic_pth", "openai_pt", "open_clip_bin"])
+def test_unconverted_pytorch_files_name_the_converter(setup, tmp_path, published):
+    """A PyTorch file without its conversion: NeedsConversionError with the exact command, even
+    though torch is installed here, and nothing written beside it."""
+    root = setup["root"]
+    if published == "open_clip_bin":
+        folder = tmp_path / "dfn5b"
+        folder.mkdir()
+        for name in ("open_clip_config.json", "open_clip_pytorch_model.bin"):
+            shutil.copy(root / "dfn5b" / name, folder / name)
+        src, dst = folder / "open_clip_pytorch_model.bin", folder / "open_clip_model.safetensors"
+        make = lambda: registry.get("clip_score", folder, tokenizer=root / "tokenizer")
+    else:
+        name = {"hps_pt": "hps.pt", "aesthetic_pth": "aesthetic.pth",
+                "openai_pt": "ViT-L-14.pt"}[published]
+        src = tmp_path / name
+        shutil.copy(root / name, src)
+        dst = src.with_suffix(".safetensors")
+        make = {
+            "hps_pt": lambda: registry.get("hps", src, tokenizer=root / "tokenizer",
+                                           config=TINY_CONFIG),
+            "aesthetic_pth": lambda: registry.get("aesthetic", src, clip_path=root / "clip_l14"),
+            "openai_pt": lambda: registry.get("aesthetic", root / "aesthetic.pth", clip_path=src),
+        }[published]
+    before = _listing(tmp_path)
+    with pytest.raises(torch_checkpoints.NeedsConversionError) as info:
+        make()
+    assert f"python -m g2rpo_jax.convert {src} {dst}" in str(info.value)
+    assert "pip install torch" in str(info.value)
+    assert _listing(tmp_path) == before
+    # The command it names makes the reward load.
+    assert convert.main([str(src), str(dst)]) == 0
+    assert make() is not None
 
 
 # ---------------------------------------------------------------------------------------------
