@@ -106,7 +106,9 @@ if ((detach)); then
 fi
 
 exec 9>"$lock"
-flock -n 9 || die "a launch/ job is already running on $(hostname)."
+# Wait a little: lock_is_free (a --status, or the --detach starter above) takes the lock for an
+# instant to test it, and must not make the job it is waiting for give up.
+flock -w 10 9 || die "a launch/ job is already running on $(hostname)."
 if [[ -z $index ]]; then
   index=$(curl -sf --max-time 5 -H 'Metadata-Flavor: Google' \
     http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number) ||

@@ -423,7 +423,10 @@ def test_unconverted_pytorch_files_name_the_converter(setup, tmp_path, published
             "hps_pt": lambda: registry.get("hps", src, tokenizer=root / "tokenizer",
                                            config=TINY_CONFIG),
             "aesthetic_pth": lambda: registry.get("aesthetic", src, clip_path=root / "clip_l14"),
-            "openai_pt": lambda: registry.get("aesthetic", root / "aesthetic.pth", clip_path=src),
+            "openai_pt": lambda: registry.get(
+                "aesthetic", root / "aesthetic.pth", clip_path=src,
+                clip_config=clip_weights.config_from_transformers(
+                    json.loads((root / "clip_l14" / "config.json").read_text()))),
         }[published]
     before = _listing(tmp_path)
     with pytest.raises(torch_checkpoints.NeedsConversionError) as info:
