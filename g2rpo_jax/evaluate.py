@@ -107,6 +107,8 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
                   samples_per_prompt=evaluator.samples, seed=config.evaluation.seed,
                   num_steps=config.sampling.num_steps,
                   seconds=round(time.perf_counter() - start, 2))
+    if evaluation.counts:   # the embedded world's object counts over all the images
+        report["object_counts"] = evaluation.totals()
     output = output or _default_output(checkpoint, step_dir)
     if jax.process_index() == 0:
         storage.write_json(output, report)
@@ -117,7 +119,9 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
                  else os.path.basename(os.path.normpath(checkpoint)))
         print(f"{len(evaluator.prompts)} held-out prompts × {evaluator.samples} sample(s), "
               f"trained on {', '.join(trained_on)}:\n{format_table(report, label)}\n"
-              f"written to {output}", flush=True)
+              + "".join(f"{name.replace('_', ' ')}: {total}\n"
+                        for name, total in report.get("object_counts", {}).items())
+              + f"written to {output}", flush=True)
     report["output"] = output
     return report
 

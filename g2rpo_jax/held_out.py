@@ -8,6 +8,9 @@ Scores (each a mean over held-out prompts × samples, in [0, 1]):
   in_domain       `rewards.verifier.score` (count, colour, shape, size, relation checks)
   out_of_domain   `rewards.judge` (a CLIP-style model; never an RL reward)
   quality         `rewards.verifier.quality` (1 − fraction of off-palette / speckle pixels)
+and, on the embedded world, counts summed over the held-out images
+(`rewards.verifier.object_counts_batch`): objects detected, unrecognised objects among them and
+objects the prompts ask for.
 """
 
 from collections.abc import Sequence
@@ -65,14 +68,20 @@ class Evaluation:
 
     per_image: {name: float32 [P, M]} for every scorer, in report order.
     first_images: [K, M, H, W, 3] in [0, 1], the samples of the first K prompts (for grids).
+    counts: {name: int32 [P, M]} from the evaluator's `counts_fn` (empty without one).
     """
 
     per_image: dict[str, np.ndarray]
     first_images: np.ndarray
+    counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def means(self) -> dict[str, float]:
         """Mean of each score over prompts and samples, in report order."""
         return {name: float(values.mean()) for name, values in self.per_image.items()}
+
+    def totals(self) -> dict[str, int]:
+        """Each count summed over prompts and samples."""
+        return {name: int(values.sum()) for name, values in self.counts.items()}
 
 
 class Evaluator:
@@ -91,13 +100,19 @@ class Evaluator:
         "img_ids"}, host arrays): the FLUX task's, read from its embedding dataset.
       score_fn: `score_fn(images [P, M, H, W, 3], prompts) -> {name: float [P, M]}` for every
         scorer; default: the embedded world's scores (`score_images`).
+      counts_fn: `counts_fn(images [P, M, H, W, 3], prompts) -> {name: int [P, M]}`, counts
+        kept beside the scores (Evaluation.counts); default: the embedded world's object
+        counts (`count_objects`) when `score_fn` is its default too, else none.
     """
 
     def __init__(self, config, generator, prompts: Sequence[str], mesh,
-                 scorers: Sequence[str] = SCORES, *, cond: dict | None = None, score_fn=None):
+                 scorers: Sequence[str] = SCORES, *, cond: dict | None = None, score_fn=None,
+                 counts_fn=None):
         self.generator, self.mesh, self.scorers = generator, mesh, tuple(scorers)
         self.prompts = list(prompts)
+        self.counts_fn = counts_fn
         if score_fn is None:
+            self.counts_fn = counts_fn or count_objects
             unknown = set(scorers) - set(SCORES)
             if unknown:
                 raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
@@ -174,7 +189,14 @@ class Evaluator:
         per_image = {name: parallel.gather_rows(np.asarray(scores[name], np.float32),
                                                 self.mesh, rows)[:len(self.prompts)]
                      for name in self.scorers}
-        return Evaluation(per_image, _first_rows(images, self._rows, self.kept, self.mesh, rows))
+        counts = {}
+        if self.counts_fn is not None:
+            local = self.counts_fn(images, [self._padded_prompts[i] for i in self._rows])
+            counts = {name: parallel.gather_rows(np.asarray(values, np.int32), self.mesh,
+                                                 rows)[:len(self.prompts)]
+                      for name, values in local.items()}
+        return Evaluation(per_image, _first_rows(images, self._rows, self.kept, self.mesh, rows),
+                          counts)
 
     def scores(self, params, text_encoder=None) -> dict[str, float]:
         """Mean of each score over prompts and samples, in `scorers` order."""
@@ -217,6 +239,15 @@ def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[s
         out["out_of_domain"] = np.asarray(judge(jnp.asarray(flat), jnp.asarray(np.repeat(ids, m))),
                                           np.float32)
     return {name: values.reshape(p, m) for name, values in out.items()}
+
+
+def count_objects(images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
+    """The embedded world's per-image counts {name: int32 [P, M]} of images [P, M, H, W, 3]
+    (`rewards.verifier.object_counts_batch`)."""
+    p, m = images.shape[:2]
+    counts = verifier.object_counts_batch(images.reshape(p * m, *images.shape[2:]),
+                                          [prompt for prompt in prompts for _ in range(m)])
+    return {name: values.reshape(p, m) for name, values in counts.items()}
 
 
 def save_grid(path: str, images: np.ndarray, captions: Sequence[str], columns: int = 8,

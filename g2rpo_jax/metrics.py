@@ -4,7 +4,8 @@ Only process 0 writes. Each `write(step, scalars)` appends one JSON line
 {"step": n, "time": seconds since start, name: value, ...} to DIR/metrics.jsonl and the same
 scalars to TensorBoard (DIR/tensorboard, via tensorboardX: no TensorFlow needed). `image`,
 `histogram` and `text` add TensorBoard's other kinds (sample grids, distributions of rewards,
-advantages and log-ratios, the config); they reach the files with the next `write`.
+advantages and log-ratios, the config); they reach the files with the next `write`. With
+`config.logging.wandb` the same go to a Weights & Biases run too (g2rpo_jax.wandb_logger).
 
 A DIR on an object store (gs://): objects cannot be appended to, so both logs are written to a
 local staging folder (metrics.jsonl continued from the bucket's copy) and each file is uploaded
@@ -27,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from g2rpo_jax import storage
+from g2rpo_jax import storage, wandb_logger
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +40,27 @@ class MetricsLogger:
     A resumed run continues the logs of the run it resumes: `keep_rows` truncates
     metrics.jsonl to the rows the checkpoint had seen (rows a killed run wrote after it are
     superseded), and `purge_step` makes TensorBoard drop that run's events from that step on.
-    `elapsed` continues the `time` column.
+    `elapsed` continues the `time` column. `config`, the run's config: its `logging` section
+    may turn on Weights & Biases (process 0 then also logs everything to a W&B run, which
+    stores the whole config; a config without the section logs to no W&B run).
     """
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl",
                  keep_rows: int | None = None, purge_step: int | None = None,
-                 elapsed: float = 0.0):
+                 elapsed: float = 0.0, config=None):
         self.active = jax.process_index() == 0
         self.path = os.path.join(workdir, filename)
         self.start = time.perf_counter() - elapsed
         self.rows = keep_rows or 0
-        self._file = self._writer = None
+        self._file = self._writer = self._wandb = None
         self._workdir, self._staging = workdir, None
         if self.active:
             from tensorboardX import SummaryWriter  # heavy import, only where it writes
 
             storage.makedirs(workdir)
+            settings = config.get("logging") if config is not None else None
+            if wandb_logger.enabled(settings):   # first: a bad setting fails before any file
+                self._wandb = wandb_logger.WandbSink(workdir, settings, config.to_dict())
             if keep_rows is not None:
                 truncate_jsonl(self.path, keep_rows)
             local_dir = workdir
@@ -86,11 +92,15 @@ class MetricsLogger:
                 self._writer.add_scalar(name, value, int(step))
         self._writer.flush()
         self._upload()
+        if self._wandb is not None:
+            self._wandb.write(step, values)
 
     def image(self, step: int, tag: str, image: np.ndarray) -> None:
         """An image [H, W, 3] (uint8, or float in [0, 1])."""
         if self.active:
             self._writer.add_image(tag, np.asarray(image), int(step), dataformats="HWC")
+            if self._wandb is not None:
+                self._wandb.image(step, tag, image)
 
     def histogram(self, step: int, tag: str, values) -> None:
         """The distribution of `values` (any shape; non-finite values left out)."""
@@ -100,10 +110,14 @@ class MetricsLogger:
         values = values[np.isfinite(values)]
         if values.size:
             self._writer.add_histogram(tag, values, int(step))
+            if self._wandb is not None:
+                self._wandb.histogram(step, tag, values)
 
     def text(self, step: int, tag: str, markdown: str) -> None:
         if self.active:
             self._writer.add_text(tag, markdown, int(step))
+            if self._wandb is not None:
+                self._wandb.text(step, tag, markdown)
 
     def _upload(self) -> None:
         """A remote workdir: the staged files, each uploaded whole (see the module docstring)."""
@@ -119,6 +133,9 @@ class MetricsLogger:
             self._file.close()
             self._writer.close()
             self._upload()
+            if self._wandb is not None:
+                self._wandb.close()
+                self._wandb = None
             if self._staging is not None:
                 shutil.rmtree(self._staging, ignore_errors=True)
                 self._staging = None

@@ -23,7 +23,7 @@ import optax
 import tqdm
 
 from g2rpo_jax import generator as generator_lib
-from g2rpo_jax import held_out, parallel, storage
+from g2rpo_jax import held_out, parallel, storage, wandb_logger
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.data import reader as reader_lib
@@ -87,6 +87,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     """Trains a generator from scratch on the world's training split; writes
     DIR/generator.safetensors, DIR/metrics.jsonl and DIR/pretrain.json."""
     settings = config.pretrain
+    wandb_logger.validate(config.get("logging"))   # before any compute
     if settings.get("init_checkpoint"):
         # Continue from a generator file (e.g. the shipped base) with a fresh schedule.
         generator = generator_lib.load_generator(settings.init_checkpoint, mesh, rules)
@@ -122,7 +123,7 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
         """The weights that are evaluated and written: the average when there is one."""
         return ema if ema_decay else params
 
-    logger = metrics_lib.MetricsLogger(workdir)
+    logger = metrics_lib.MetricsLogger(workdir, config=config)
     evaluator = held_out.Evaluator(config, generator, held_out_prompts, mesh,
                                    scorers=("in_domain", "quality"))
 

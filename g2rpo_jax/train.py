@@ -37,7 +37,7 @@ import numpy as np
 import tqdm
 
 from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import held_out, parallel, preemption, storage, tasks
+from g2rpo_jax import held_out, parallel, preemption, storage, tasks, wandb_logger
 from g2rpo_jax import metrics as metrics_lib
 from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.models import lora
@@ -60,7 +60,8 @@ def _fresh_loop_state() -> dict:
             "metrics_rows": 0, "elapsed_seconds": 0.0, "iteration_seconds": [],
             "session_starts": [], "phase_seconds": [], "compile_seconds": {},
             "other_seconds": {},
-            "skipped_steps": 0, "consecutive_skips": 0, "evaluations": [], "warnings": []}
+            "skipped_steps": 0, "consecutive_skips": 0, "evaluations": [], "warnings": [],
+            "counts": []}
 
 
 def _sum_seconds(*parts: dict) -> dict:
@@ -216,6 +217,7 @@ def train(config, workdir: str, mesh, rules) -> dict:
     """RL fine-tuning on the task `config.task` (g2rpo_jax.tasks: "shapes" or "flux"); resumes
     the run in `workdir` if it has a checkpoint (README, "Checkpoints and resuming")."""
     settings = config.train
+    wandb_logger.validate(config.get("logging"))   # before any compute
     checkpoint_lib.ensure_writable(workdir)
     if settings.start_over:
         checkpoint_lib.start_over(workdir)
@@ -262,6 +264,7 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         loop.setdefault("other_seconds", {})
         loop.setdefault("evaluations", [])
         loop.setdefault("warnings", [])
+        loop.setdefault("counts", [])
         logging.info("Resuming %s from iteration %d (%s).", workdir, start_iteration,
                      run.step_dir(start_iteration))
     sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
@@ -272,7 +275,8 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
     resumed = restored is not None
     logger = metrics_lib.MetricsLogger(
         workdir, keep_rows=loop["metrics_rows"],
-        purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"])
+        purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"],
+        config=config)
     cleanup.callback(logger.close)
     if not resumed:
         logger.text(0, "config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
@@ -298,8 +302,11 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
             if name:
                 with storage.open_atomic(os.path.join(images_dir, f"{name}.png")) as f:
                     grid.save(f, format="PNG")
-        logger.write(iteration, {f"eval/{k}": v for k, v in scores.items()})
+        counts = evaluation.totals()
+        logger.write(iteration, {f"eval/{k}": v for k, v in {**scores, **counts}.items()})
         loop["evaluations"].append([iteration, scores])
+        if counts:
+            loop["counts"].append([iteration, counts])
         for line in metrics_lib.hacking_warnings(
                 loop["evaluations"], task.in_domain,
                 [k for k in task.score_names if k not in task.in_domain],
@@ -468,6 +475,8 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
               "checkpoint": run.step_dir(iterations),
               "warnings": list(loop["warnings"]),
               "timing": _timing(loop)}
+    if loop["counts"]:   # the embedded world's object counts, base and final evaluation
+        report["object_counts"] = {"base": loop["counts"][0][1], "final": loop["counts"][-1][1]}
     if jax.process_index() == 0:
         policy = nnx.merge(graphdef, state.policy_params())
         if state.frozen is not None:   # LoRA: the adapters alone, then folded into the base
@@ -481,6 +490,8 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
         panels = {"training reward": [f"train/reward_{n}" for n in reward_names],
                   "held-out scores": [f"eval/{k}" for k in task.score_names],
                   "held-out change since base: trained vs not": changes,
+                  "held-out object counts": [f"eval/{k}" for k in
+                                             (report.get("object_counts") or {}).get("base", {})],
                   "policy ratio": ["train/ratio_min", "train/ratio_max", "train/clip_fraction"]}
         metrics_lib.plot_curves(rows, {k: v for k, v in panels.items() if v},
                                 os.path.join(workdir, "reward_curves.png"),
@@ -519,6 +530,13 @@ def summary_markdown(report: dict, workdir: str, outputs) -> str:
     for name, base in report["base"].items():
         final = report["final"][name]
         lines.append(f"| {name} | {base:.4f} | {final:.4f} | {final - base:+.4f} |")
+    counts = report.get("object_counts")
+    if counts:
+        lines += ["", "| held-out objects (all images) | base | final | change |",
+                  "|---|---:|---:|---:|"]
+        for name, base in counts["base"].items():
+            final = counts["final"][name]
+            lines.append(f"| {name.replace('_', ' ')} | {base} | {final} | {final - base:+d} |")
     timing = report.get("timing") or {}
     if timing:
         lines += ["", f"{report['seconds_per_iteration']:.2f} s per iteration after the first "

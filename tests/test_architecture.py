@@ -13,7 +13,7 @@ LAYERS = {
     "storage": 0, "dtypes": 0, "parallel": 0,
     "models": 1, "sampling": 1,
     "rl": 2, "data": 2,
-    "rewards": 3,
+    "rewards": 3, "wandb_logger": 3,
     "config_lib": 4, "optimizer": 4, "metrics": 4, "checkpoint": 4, "preemption": 4,
     "generator": 4, "held_out": 4,
     "tasks": 5,

@@ -298,9 +298,13 @@ def test_checkpoint_restores_onto_other_meshes(short_run, tmp_path, data_dir):
                                     devices=jax.devices()[:1])
     evaluated = evaluate.evaluate(config, str(run), one_device, _rules(config),
                                   output=str(tmp_path / "eval.json"))
-    final = json.loads((run / "summary.json").read_text())["final"]
+    summary = json.loads((run / "summary.json").read_text())
+    final = summary["final"]
     assert evaluated["in_domain"]["in_domain"]["mean"] == pytest.approx(final["in_domain"],
                                                                         abs=0.02)
+    # The prompts ask for the same objects on any mesh.
+    assert (evaluated["object_counts"]["objects_asked"]
+            == summary["object_counts"]["final"]["objects_asked"])
 
 
 def test_extending_a_finished_run(short_run, tmp_path, mesh):

@@ -15,6 +15,7 @@ import resume_helpers
 from g2rpo_jax import checkpoint as checkpoint_lib
 from g2rpo_jax import config_lib, generator, held_out, parallel, pretrain, train
 from g2rpo_jax import metrics as metrics_lib
+from g2rpo_jax.data import world
 from g2rpo_jax.models import state_io
 from g2rpo_jax.rl import algorithms
 
@@ -101,6 +102,18 @@ def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
         assert f"| {name} | {total:.1f} |" in markdown
     assert f"tensorboard --logdir {workdir}/tensorboard" in markdown
     assert "- `generator.safetensors`: the fine-tuned generator" in markdown
+    # The object counts at every evaluation; the prompts ask for what the world's parser
+    # reads in them (one sample per prompt).
+    eval_rows = [r for r in rows if "eval/in_domain" in r]
+    asked = sum(world.parse_prompt(p).num_objects
+                for p in held_out.held_out_prompts(config))
+    assert [r["eval/objects_asked"] for r in eval_rows] == [asked] * 3
+    assert all(0 <= r["eval/unrecognised_objects"] <= r["eval/objects"] for r in eval_rows)
+    counts = summary["object_counts"]
+    assert counts["base"]["objects"] == eval_rows[0]["eval/objects"]
+    assert counts["final"]["unrecognised_objects"] == eval_rows[-1]["eval/unrecognised_objects"]
+    base, final = counts["base"]["objects"], counts["final"]["objects"]
+    assert f"| objects | {base} | {final} | {final - base:+d} |" in markdown
 
 
 def test_tensorboard_shows_samples_distributions_config_and_timings(g2rpo_run):

@@ -326,6 +326,23 @@ def score_batch(images, prompts) -> np.ndarray:
     return np.array([score(img, p) for img, p in zip(images, prompts)], np.float32)
 
 
+def object_counts_batch(images, prompts) -> dict[str, np.ndarray]:
+    """What the held-out evaluation counts besides the scores, for [B, H, W, 3] images and B
+    prompts, each int32 [B]: "objects" detected (`detect_objects`), "unrecognised_objects"
+    among them (a shape `classify_shape` names none of the world's: a ragged blob), and
+    "objects_asked" by the prompt. Scores can rise while these drift (more objects, more
+    blobs): a sign of reward hacking that no mean score shows."""
+    images = np.asarray(images)
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts.")
+    blobs = [detect_objects(image) for image in images]
+    return {"objects": np.array([len(b) for b in blobs], np.int32),
+            "unrecognised_objects": np.array([sum(o.shape is None for o in b) for b in blobs],
+                                             np.int32),
+            "objects_asked": np.array([world.parse_prompt(p).num_objects for p in prompts],
+                                      np.int32)}
+
+
 def quality_batch(images) -> np.ndarray:
     """[B, H, W, 3] images → float32 [B] qualities."""
     return np.array([quality(img) for img in np.asarray(images)], np.float32)

@@ -324,3 +324,24 @@ def test_batches():
     np.testing.assert_array_equal(verifier.quality_batch(images), np.ones(len(prompts)))
     with pytest.raises(ValueError, match="prompts"):
         verifier.score_batch(images, prompts[:2])
+
+
+def test_object_counts_hand_drawn_and_rendered():
+    """Detected objects, the unrecognised among them (an elongated bar, a square with a hole) and
+    the objects the prompt asks for, counted by hand."""
+    image = blank()
+    image[3:10, 3:10] = RED             # a square
+    image[15:26, 15:26][disk(5)] = BLUE  # a circle
+    image[28:30, 2:14] = GREEN          # a 2 × 12 bar: elongated, no shape of the world
+    image[14:22, 2:10] = YELLOW         # an 8 × 8 square ...
+    image[16:20, 4:8] = 0               # ... with a hole: not solid
+    image[0, 31] = WHITE                # a 1 px speck: noise, not an object
+    rng = np.random.default_rng(0)
+    prompts = ["two red squares", "a red square left of a blue circle"]
+    rendered = world.render_prompt(prompts[1], rng)
+    counts = verifier.object_counts_batch(np.stack([image, rendered]), prompts)
+    assert {k: v.tolist() for k, v in counts.items()} == {
+        "objects": [4, 2], "unrecognised_objects": [2, 0], "objects_asked": [2, 2]}
+    assert all(v.dtype == np.int32 for v in counts.values())
+    with pytest.raises(ValueError, match="prompts"):
+        verifier.object_counts_batch(image[None], prompts)
