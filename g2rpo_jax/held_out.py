@@ -110,9 +110,8 @@ class Evaluator:
                  counts_fn=None):
         self.generator, self.mesh, self.scorers = generator, mesh, tuple(scorers)
         self.prompts = list(prompts)
-        self.counts_fn = counts_fn
+        self.counts_fn = counts_fn or (count_objects if score_fn is None else None)
         if score_fn is None:
-            self.counts_fn = counts_fn or count_objects
             unknown = set(scorers) - set(SCORES)
             if unknown:
                 raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")

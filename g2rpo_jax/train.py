@@ -526,17 +526,11 @@ def summary_markdown(report: dict, workdir: str, outputs) -> str:
     command that opens TensorBoard."""
     lines = [f"# {report['algorithm']}, seed {report['seed']}: {report['iterations']} "
              f"iterations in {report['seconds']:.0f} s", "",
-             "| held-out score | base | final | change |", "|---|---:|---:|---:|"]
-    for name, base in report["base"].items():
-        final = report["final"][name]
-        lines.append(f"| {name} | {base:.4f} | {final:.4f} | {final - base:+.4f} |")
+             *_change_table("held-out score", report["base"], report["final"], ".4f")]
     counts = report.get("object_counts")
     if counts:
-        lines += ["", "| held-out objects (all images) | base | final | change |",
-                  "|---|---:|---:|---:|"]
-        for name, base in counts["base"].items():
-            final = counts["final"][name]
-            lines.append(f"| {name.replace('_', ' ')} | {base} | {final} | {final - base:+d} |")
+        lines += ["", *_change_table("held-out objects (all images)", counts["base"],
+                                     counts["final"], "d")]
     timing = report.get("timing") or {}
     if timing:
         lines += ["", f"{report['seconds_per_iteration']:.2f} s per iteration after the first "
@@ -558,6 +552,17 @@ def summary_markdown(report: dict, workdir: str, outputs) -> str:
     lines += ["", f"Open TensorBoard: `tensorboard --logdir {storage.absolute(workdir)}/tensorboard`",
               ""]
     return "\n".join(lines)
+
+
+def _change_table(title: str, base: dict, final: dict, number: str) -> list[str]:
+    """Markdown rows: one per name of `base` (as logged: eval/<name>), its base, final and
+    change in format `number`."""
+    lines = [f"| {title} | base | final | change |", "|---|---:|---:|---:|"]
+    for name, before in base.items():
+        after = final[name]
+        lines.append(f"| {name} | {before:{number}} | {after:{number}} | "
+                     f"{after - before:+{number}} |")
+    return lines
 
 
 def _timing(loop: dict) -> dict:
