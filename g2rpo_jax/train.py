@@ -491,7 +491,7 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
                   "held-out scores": [f"eval/{k}" for k in task.score_names],
                   "held-out change since base: trained vs not": changes,
                   "held-out object counts": [f"eval/{k}" for k in
-                                             (report.get("object_counts") or {}).get("base", {})],
+                                             report.get("object_counts", {}).get("base", {})],
                   "policy ratio": ["train/ratio_min", "train/ratio_max", "train/clip_fraction"]}
         metrics_lib.plot_curves(rows, {k: v for k, v in panels.items() if v},
                                 os.path.join(workdir, "reward_curves.png"),

@@ -128,12 +128,8 @@ class WandbSink:
           settings: the config's `logging` section (config_lib.base_config).
           run_config: stored as the W&B run's config (the whole config, as a dict).
         """
-        validate(settings)
-        try:  # optional: only a run with config.logging.wandb=True loads it
-            import wandb
-        except ImportError as error:
-            raise ImportError(f"config.logging.wandb=True needs the wandb package: "
-                              f"{INSTALL_HINT}.") from error
+        validate(settings)   # names the install command when wandb is missing
+        import wandb  # optional: only a run with config.logging.wandb=True loads it
         self._wandb = wandb
         self.run_id = run_id(workdir)
         self.run = wandb.init(
