@@ -78,7 +78,10 @@ fi
 [[ -n $log_url ]] || die "--log-url=URL is required."
 [[ $sync_seconds =~ ^[1-9][0-9]*$ ]] || die "--sync-seconds must be a whole number > 0."
 [[ -d $venv/bin ]] || die "no Python environment at $venv: run launch/install.sh first."
-lock_is_free || die "a launch/ job is already running on $(hostname) (lock $lock); wait for it, or stop it before starting another."
+# A detached job's starter has checked already; the job itself waits for the lock below, so that
+# another probe holding it for an instant cannot make it give up.
+((background)) || lock_is_free ||
+  die "a launch/ job is already running on $(hostname) (lock $lock); wait for it, or stop it before starting another."
 
 if ((detach)); then
   # setsid + nohup: the job outlives the ssh session; its output goes to the log, not to ssh.
@@ -90,14 +93,16 @@ if ((detach)); then
   setsid nohup bash "$0" "${rest[@]}" >/dev/null 2>&1 </dev/null &
   starter=$!
   # Return once the job holds the lock, so that a --status right after says running (up to
-  # 60 s: a loaded VM may take seconds to start a process).
+  # 60 s: a loaded VM may take seconds to start a process). The job writes its status file only
+  # once it holds the lock; polling the lock instead would take it for instants of its own, and
+  # an instant that met the job's own check made the start look failed.
   for _ in $(seq 600); do
-    lock_is_free || break
+    [[ -s $status_file ]] && break
     kill -0 "$starter" 2>/dev/null || break
     sleep 0.1
   done
-  if lock_is_free; then
-    [[ -s $status_file ]] || die "$job did not start on $(hostname); see $log."
+  [[ -s $status_file ]] || die "$job did not start on $(hostname); see $log."
+  if lock_is_free; then   # the job has ended already (it writes its last status before it exits)
     echo "worker.sh: $job on $(hostname) has already ended: $(<"$status_file")."
     exit 0
   fi
@@ -106,8 +111,8 @@ if ((detach)); then
 fi
 
 exec 9>"$lock"
-# Wait a little: lock_is_free (a --status, or the --detach starter above) takes the lock for an
-# instant to test it, and must not make the job it is waiting for give up.
+# Wait a little: lock_is_free (a --status, or the --detach starter's check) takes the lock for an
+# instant to test it, and must not make a job give up.
 flock -w 10 9 || die "a launch/ job is already running on $(hostname)."
 if [[ -z $index ]]; then
   index=$(curl -sf --max-time 5 -H 'Metadata-Flavor: Google' \
