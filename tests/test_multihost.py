@@ -37,13 +37,13 @@ def _by_step(rows: list[dict]) -> dict[int, dict]:
     return merged
 
 
-def _assert_same_rows(a: list[dict], b: list[dict]):
+def _assert_same_rows(a: list[dict], b: list[dict], rtol: float = _RTOL):
     a, b = _by_step(a), _by_step(b)
     assert a.keys() == b.keys()
     for step in a:
         assert a[step].keys() == b[step].keys(), step
         for name in a[step]:
-            np.testing.assert_allclose(b[step][name], a[step][name], rtol=_RTOL, atol=_ATOL,
+            np.testing.assert_allclose(b[step][name], a[step][name], rtol=rtol, atol=_ATOL,
                                        err_msg=f"{name} at step {step}")
 
 

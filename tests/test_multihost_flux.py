@@ -18,6 +18,12 @@ from test_multihost import _ATOL, _RTOL, _assert_ok, _assert_same_rows, _by_step
 from g2rpo_jax import checkpoint, preprocess
 from g2rpo_jax.testing import flux_fixture
 
+# Rows after the first update: Adam divides each gradient by its own root mean square, so the
+# two layouts' reduction-order differences in tiny gradients become parameter differences of a
+# fraction of the learning rate, and the rewards of the next images differ by up to ~3e-4
+# relative (CI); a wrong prompt, noise or mesh would differ by orders of magnitude more.
+_RTOL_AFTER_UPDATE = 2e-3
+
 
 @pytest.fixture(scope="module")
 def flux_setup(tmp_path_factory):
@@ -64,7 +70,7 @@ def test_two_processes_train_evaluate_and_resume_like_one(flux_setup, tmp_path):
         assert "Resuming" in result.stdout and "from iteration 1" in result.stdout
 
     rows = {name: rh.computed_rows(d) for name, d in (("single", single), ("multi", multi))}
-    _assert_same_rows(rows["single"], rows["multi"])
+    _assert_same_rows(rows["single"], rows["multi"], rtol=_RTOL_AFTER_UPDATE)
     assert any("train/loss" in r for r in rows["multi"])
     assert any(k.startswith("eval/") for r in rows["multi"] for k in r), rows["multi"]
     a, b = rh.read_step(str(single / "checkpoints" / "2")), rh.read_step(
@@ -77,11 +83,11 @@ def test_two_processes_train_evaluate_and_resume_like_one(flux_setup, tmp_path):
     rewards = [[r["train/reward_hps"] for r in rh.metrics_rows(d) if "train/reward_hps" in r]
                for d in (single, multi)]
     assert len(rewards[0]) == 2
-    np.testing.assert_allclose(rewards[1], rewards[0], rtol=_RTOL, atol=_ATOL)
+    np.testing.assert_allclose(rewards[1], rewards[0], rtol=_RTOL_AFTER_UPDATE, atol=_ATOL)
     summaries = [json.loads((d / "summary.json").read_text()) for d in (single, multi)]
     for name in summaries[0]["final"]:
         np.testing.assert_allclose(summaries[1]["final"][name], summaries[0]["final"][name],
-                                   rtol=_RTOL, atol=_ATOL, err_msg=name)
+                                   rtol=_RTOL_AFTER_UPDATE, atol=_ATOL, err_msg=name)
     # The FLUX task's output is the Orbax checkpoint (FluxTask.save writes nothing more).
     for name in ("summary.json", "images/base.png", "images/final.png", "reward_curves.png"):
         assert (multi / name).exists(), name

@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -72,8 +73,28 @@ def offline_runs(wandb_dir) -> list[tuple[str, list]]:
     for folder in sorted(f for f in os.listdir(root) if f.startswith("offline-run-")):
         (log,) = [f for f in os.listdir(os.path.join(root, folder)) if f.endswith(".wandb")]
         runs.append((log[len("run-"):-len(".wandb")],
-                     read_records(os.path.join(root, folder, log))))
+                     _finished_records(os.path.join(root, folder, log))))
     return runs
+
+
+def _finished_records(path, timeout_s: float = 60.0) -> list:
+    """The records of a run's log once its exit record is written: `run.finish()` returns once
+    the W&B service has the run's records, which may still be writing them to the log (on a
+    loaded machine, seconds later)."""
+    deadline = time.monotonic() + timeout_s
+    from google.protobuf.message import DecodeError
+
+    while True:
+        try:
+            records = read_records(path)
+        except (struct.error, DecodeError):   # a chunk still being written
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} has no exit record {timeout_s:.0f} s after finish(): "
+                                 f"{[r.WhichOneof('record_type') for r in records]}")
+        time.sleep(0.2)
 
 
 def history(records) -> list[dict]:
@@ -192,6 +213,7 @@ def test_start_over_starts_a_new_wandb_run_and_resuming_may_turn_it_on(tmp_path)
 # whether wandb got imported.
 _WITHOUT_FLAG = """
 import sys
+import time
 import numpy as np
 from g2rpo_jax import config_lib, metrics, pretrain, train
 logger = metrics.MetricsLogger(sys.argv[1], config=config_lib.load_config("shapes_cpu.py"))
@@ -259,6 +281,7 @@ def test_held_media_are_logged_with_the_scalars_of_their_step(tmp_path, monkeypa
 
 _GS_WORKDIR = """
 import sys
+import time
 from g2rpo_jax import config_lib, metrics
 config = config_lib.load_config("shapes_cpu.py")
 config.logging.wandb = True
