@@ -39,10 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rpo_jax import config_lib, held_out, parallel
+from g2rpo_jax import config_lib, held_out, parallel, pretrain
 from g2rpo_jax import generator as generator_lib
 from g2rpo_jax import optimizer as optimizer_lib
-from g2rpo_jax import pretrain
 from g2rpo_jax.data import world
 from g2rpo_jax.rewards import verifier
 from g2rpo_jax.rl import algorithms, iteration
