@@ -8,7 +8,7 @@ tests/data/test_embedding_preparation.py does, and counts the runs where either 
 those whose error names gloo). `--root` runs the preprocessing of another checkout, e.g. an
 older commit made with `git worktree add DIR COMMIT`, to compare before and after a change.
 
-Measured with the defaults (README, "Preprocess"): with the encoders sharded over both local
+Measured with the defaults (docs/guide.md, "Preprocess"): with the encoders sharded over both local
 devices (`--root` at commit 897089f) 4 of 6 runs aborted in gloo ("Received data size doesn't
 match expected size"); with one encoder device per CPU process
 (`text_encoders.encoder_devices`) 0 of 9.

@@ -215,7 +215,7 @@ def _log_samples(logger, step: int, task, finals, scores, batch, algo, mesh, rul
 
 def train(config, workdir: str, mesh, rules) -> dict:
     """RL fine-tuning on the task `config.task` (g2rpo_jax.tasks: "shapes" or "flux"); resumes
-    the run in `workdir` if it has a checkpoint (README, "Checkpoints and resuming")."""
+    the run in `workdir` if it has a checkpoint (docs/guide.md, "Checkpoints and resuming")."""
     settings = config.train
     wandb_logger.validate(config.get("logging"))   # before any compute
     checkpoint_lib.ensure_writable(workdir)

@@ -136,7 +136,7 @@ def test_baselines_keep_their_own_settings():
         config = load(name)
         assert config.algorithm.group_size == 12
         # Every member is scored in their update: micro-batches of 4 prompts fit in HBM
-        # (README, "TPU memory (AOT)").
+        # (docs/tpu_memory.md).
         assert config.policy_update.micro_batch_prompts == 4
     assert load("g2rpo").policy_update.micro_batch_prompts == 0
 
