@@ -70,7 +70,7 @@ def test_two_processes_train_evaluate_and_resume_like_one(flux_setup, tmp_path):
         assert "Resuming" in result.stdout and "from iteration 1" in result.stdout
 
     rows = {name: rh.computed_rows(d) for name, d in (("single", single), ("multi", multi))}
-    _assert_same_rows(rows["single"], rows["multi"], rtol=_RTOL_AFTER_UPDATE)
+    _assert_same_rows(rows["single"], rows["multi"], rtol_after_update=_RTOL_AFTER_UPDATE)
     assert any("train/loss" in r for r in rows["multi"])
     assert any(k.startswith("eval/") for r in rows["multi"] for k in r), rows["multi"]
     a, b = rh.read_step(str(single / "checkpoints" / "2")), rh.read_step(

@@ -78,11 +78,11 @@ def offline_runs(wandb_dir) -> list[tuple[str, list]]:
 
 
 def _finished_records(path, timeout_s: float = 60.0) -> list:
-    """The records of a run's log once its exit record is written: `run.finish()` returns once
-    the W&B service has the run's records, which may still be writing them to the log (on a
-    loaded machine, seconds later)."""
-    deadline = time.monotonic() + timeout_s
+    """The records of a run's log once its exit record (the last one W&B writes) is there: on
+    CI a log read right after `run.finish()` once held no history rows yet."""
     from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout_s
 
     while True:
         try:
