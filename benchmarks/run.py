@@ -46,6 +46,8 @@ THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 
 MEDIUM_MODEL = dict(num_layers=4, num_single_layers=8, attention_head_dim=64,
                     num_attention_heads=8, joint_attention_dim=4096, pooled_projection_dim=768,
                     in_channels=64, axes_dims_rope=(8, 28, 28), guidance_embeds=True)
+# --size=large (benchmarks/device_check.sh on a GPU): hidden 1024 (16 heads × 64), 8 + 16 blocks.
+LARGE_MODEL = dict(MEDIUM_MODEL, num_layers=8, num_single_layers=16, num_attention_heads=16)
 TOY_MEDIUM_MODEL = dict(num_layers=1, num_single_layers=1, attention_head_dim=32,
                         num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32,
                         in_channels=16, axes_dims_rope=(8, 12, 12), guidance_embeds=True)
@@ -81,13 +83,15 @@ def medium_spec(args) -> dict:
     from g2rpo_jax import config_lib
 
     toy = args.size == "toy"
-    model = config_lib.flux_model_config(**(TOY_MEDIUM_MODEL if toy else MEDIUM_MODEL)).to_dict()
+    sections = {"toy": TOY_MEDIUM_MODEL, "large": LARGE_MODEL}.get(args.size, MEDIUM_MODEL)
+    model = config_lib.flux_model_config(**sections).to_dict()
     model.pop("checkpoint", None)
     return dict(name="medium", model=model, num_steps=args.medium_steps, shift=3.0,
                 guidance=3.5, prompts=args.medium_prompts, group_size=args.medium_group,
                 branch_steps=[int(k) for k in args.medium_branch_steps.split(",")],
                 granularities=[int(g) for g in args.medium_granularities.split(",")],
-                eta=0.7, image_side=4 if toy else 16, text_tokens=8 if toy else 32)
+                eta=0.7, image_side=4 if toy else 16, text_tokens=8 if toy else 32,
+                batch_steps=args.batch_steps)
 
 
 def flux_config(spec):
@@ -258,7 +262,8 @@ class JaxTrain:
         self.state = policy_update.init_state(params, optimizer, False, mesh)
         self.batch = place(policy_update.TrainBatch(**_load_batch(batch_path)))
         self.cond = place({k: np.asarray(v) for k, v in make_cond(spec).items()})
-        settings = policy_update.PolicyUpdate(steps_per_update=0, guidance=spec["guidance"])
+        settings = policy_update.PolicyUpdate(steps_per_update=0, guidance=spec["guidance"],
+                                              batch_steps=spec.get("batch_steps", False))
         with jax.set_mesh(mesh):
             self.update = policy_update.jit_update(
                 policy_update.make_update_fn(graphdef, optimizer, algo, settings,
@@ -320,6 +325,8 @@ def worker(engine: str) -> None:
     if engine.startswith("torch"):
         import torch
         torch.set_num_threads(int(os.environ.get("G2RPO_RUN_TORCH_THREADS", THREADS)))
+        if os.environ.get("G2RPO_RUN_PLATFORM") == "gpu":
+            torch.set_default_device("cuda")   # models and tensors on the GPU
     obj = None
     for line in sys.stdin:
         msg = json.loads(line)
@@ -357,8 +364,9 @@ def worker(engine: str) -> None:
 
 
 class Worker:
-    def __init__(self, engine: str, torch_threads: int):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", G2RPO_RUN_TORCH_THREADS=str(torch_threads))
+    def __init__(self, engine: str, torch_threads: int, platform: str = "cpu"):
+        env = dict(os.environ, JAX_PLATFORMS="cuda" if platform == "gpu" else "cpu",
+                   G2RPO_RUN_TORCH_THREADS=str(torch_threads), G2RPO_RUN_PLATFORM=platform)
         self.engine = engine
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__),
                                       f"--worker={engine}"], stdin=subprocess.PIPE,
@@ -398,7 +406,7 @@ def compare(name, engines, setups, args, extra_setup=None):
     """Runs a measurement: a worker per engine, set up one after the other, run interleaved."""
     workers, setup_out = [], []
     for engine, setup in zip(engines, setups):
-        w = Worker(engine, args.torch_threads)
+        w = Worker(engine, args.torch_threads, args.platform)
         setup_out.append(w.ask(cmd="setup", **setup))
         workers.append(w)
         print(f"  [{name}] {engine} set up in {setup_out[-1]['setup_s']:.1f} s", flush=True)
@@ -412,11 +420,48 @@ def compare(name, engines, setups, args, extra_setup=None):
             for e, s, rs, f in zip(engines, setup_out, runs, finished)]
 
 
+def batch_steps_ab(medium: dict, batch_path: str, args) -> None:
+    """Our medium train step scanned over its K trained steps (A) against batch_steps (B), on
+    the same rollout batch, interleaved; writes --out (default results/batch_steps.json)."""
+    rollout = Worker("jax_rollout", args.torch_threads, args.platform)
+    rollout.ask(cmd="setup", spec=medium)
+    rollout.ask(cmd="run")
+    rollout.ask(cmd="save_batch", path=batch_path)
+    rollout.finish()
+    scan, batched = compare("medium train: scan (A) vs batch_steps (B)",
+                            ["jax_train", "jax_train"],
+                            [dict(spec=dict(medium, batch_steps=False), batch=batch_path),
+                             dict(spec=dict(medium, batch_steps=True), batch=batch_path)], args)
+    os.remove(batch_path)
+    os.rmdir(os.path.dirname(batch_path))
+    speedup = scan["median_s"] / batched["median_s"]
+    print(f"medium train step: scan {scan['median_s']:.3f} s ({scan['peak_rss_mib']:.0f} MiB), "
+          f"batch_steps {batched['median_s']:.3f} s ({batched['peak_rss_mib']:.0f} MiB): "
+          f"batch_steps_speedup={speedup:.2f}")
+    out = (args.out if args.out != os.path.join(HERE, "results", "run.json")
+           else os.path.join(HERE, "results", "batch_steps.json"))
+    with open(out, "w") as f:
+        json.dump(dict(size=args.size, platform=args.platform, threads=THREADS,
+                       repeats=args.repeats, medium=medium, scan=scan, batch_steps=batched,
+                       batch_steps_speedup=speedup), f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--size", choices=("default", "toy"), default="default",
-                        help="toy: seconds-long smoke sizes")
+    parser.add_argument("--size", choices=("default", "toy", "large"), default="default",
+                        help="toy: seconds-long smoke sizes; large: the medium rows at hidden "
+                             "1024, 8 + 16 blocks (for an accelerator)")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="where both engines run (gpu: JAX on CUDA, torch on cuda; the "
+                             "GPU path has not run yet: benchmarks/device_check.sh)")
+    parser.add_argument("--batch_steps", action="store_true",
+                        help="our train step with policy_update.batch_steps (one batched "
+                             "forward and backward over the K trained steps)")
+    parser.add_argument("--batch_steps_ab", action="store_true",
+                        help="only the medium train step, ours scanned over the K trained "
+                             "steps against ours with batch_steps, interleaved → "
+                             "results/batch_steps.json (--out)")
     parser.add_argument("--repeats", type=int, default=0, help="timed runs (0: 3, toy 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs after the compile")
     parser.add_argument("--tiny_prompts", type=int, default=0,
@@ -441,7 +486,7 @@ def main():
     args.repeats = args.repeats or (1 if toy else 3)
     args.warmup = 0 if toy else args.warmup
     matmul_size = args.matmul_size or (256 if toy else 2048)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cuda" if args.platform == "gpu" else "cpu")
     from g2rpo_jax.models import flops as flops_lib
 
     tiny, medium = tiny_spec(args), medium_spec(args)
@@ -461,6 +506,9 @@ def main():
     rows = {}
     tmp = tempfile.mkdtemp(prefix="g2rpo_run_")
     batch_path = os.path.join(tmp, "train_batch.npz")
+    if args.batch_steps_ab:
+        batch_steps_ab(medium, batch_path, args)
+        return
     rows["tiny_rollout"] = compare("tiny rollout", ["jax_rollout", "torch_reference"],
                                    [dict(spec=tiny)] * 2, args)
     rows["medium_rollout"] = compare(
@@ -471,7 +519,8 @@ def main():
     rows["matmul_peak"] = compare("matmul", ["jax_matmul", "torch_matmul"],
                                   [dict(size=matmul_size)] * 2,
                                   argparse.Namespace(warmup=1, repeats=max(args.repeats, 7),
-                                                     torch_threads=args.torch_threads))
+                                                     torch_threads=args.torch_threads,
+                                                     platform=args.platform))
     os.remove(batch_path)
     os.rmdir(tmp)
 

@@ -130,9 +130,12 @@ def base_config() -> ml_collections.ConfigDict:
     # first ratio is exactly 1 in bf16 too (tests/rl/test_policy_update.py).
     # offload_optimizer_state / offload_reference: keep the AdamW moments / the KL reference in
     # pinned host memory outside the update (rollout memory; docs/tpu_memory.md).
+    # batch_steps: a group's trained steps in one batched forward and backward instead of a scan
+    # over them (the same loss in another summation order; more activation memory;
+    # benchmarks/README.md "The K trained steps in one batch").
     config.policy_update = ml_collections.ConfigDict(dict(
         steps_per_update=1, micro_batch_prompts=0, recompute_old_log_prob=True,
-        offload_optimizer_state=False, offload_reference=False))
+        offload_optimizer_state=False, offload_reference=False, batch_steps=False))
 
     # Where a run is watched besides metrics.jsonl and TensorBoard (always written): wandb=True
     # also logs to a Weights & Biases run (g2rpo_jax.wandb_logger; pip install -e ".[wandb]"),

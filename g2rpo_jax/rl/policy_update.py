@@ -11,13 +11,18 @@ Data (prompt-major, P sharded over the mesh's batch axes; K trained steps per it
 
 `steps_per_update` groups the K steps: 1 = one optimizer step per k (the reference code; later
 k are slightly off-policy), K (or 0) = one accumulated step over all k (on-policy). Within a group,
-gradients are averaged over steps and over prompt micro-batches.
+gradients are averaged over steps and over prompt micro-batches. `batch_steps` evaluates a
+group's S steps of a micro-batch in one forward and backward of S·P·Gx samples instead of a scan
+over S forwards of P·Gx: the same loss, summed in another order (larger matmuls; S times the
+activations).
 
 The update is a composition of pure functions, each usable alone:
   transition_log_prob   log π_θ of one step's transitions           [P, G]
   micro_batch_loss      the clipped loss (+ KL) of one micro-batch   scalar, metrics
   step_gradient         Σ of one trained step's micro-batch gradients
-  group_gradient        Σ over an optimizer step's group of steps
+  group_gradient        Σ over an optimizer step's group of steps (a scan over steps, or with
+                        `batch_steps` one batched call per micro-batch: `steps_log_prob`,
+                        `steps_loss`)
   optimizer_step        one optimizer step on a group (skipped if not finite)
   rescored_log_probs    the stored transitions re-scored in the loss's layout   [K, P, G]
 `make_update_fn` binds the model and settings and scans `optimizer_step` over the groups.
@@ -42,7 +47,8 @@ from g2rpo_jax.sampling import rollout
 # and settings bound.
 LossFn = Callable[[Any, "TrainBatch", dict, Any], tuple[jax.Array, dict]]
 # log_prob_fn(params, item, cond) -> (log_prob [P, G], mean [P, G, N, C], std []):
-# `transition_log_prob` with the model and settings bound.
+# `transition_log_prob` with the model and settings bound; with `batch_steps`, `steps_log_prob`
+# bound: item [S, P, ...] → ([S, P, G], [S, P, G, N, C], [S]).
 LogProbFn = Callable[[Any, "TrainBatch", dict], tuple[jax.Array, jax.Array, jax.Array]]
 
 
@@ -85,6 +91,7 @@ class PolicyUpdate:
     # updates (the rollout does not need them), and the update moves them in and out.
     offload_optimizer_state: bool = False
     offload_reference: bool = False
+    batch_steps: bool = False        # a group's steps in one batched forward and backward
     guidance: float | None = 3.5
     quantize_timesteps: bool = False
 
@@ -97,6 +104,7 @@ class PolicyUpdate:
             recompute_old_log_prob=config.policy_update.recompute_old_log_prob,
             offload_optimizer_state=config.policy_update.offload_optimizer_state,
             offload_reference=config.policy_update.offload_reference,
+            batch_steps=config.policy_update.get("batch_steps", False),
             guidance=config.sampling.guidance,
             quantize_timesteps=config.sampling.quantize_timesteps)
 
@@ -148,6 +156,13 @@ def micro_batches(tree, count: int):
         p = a.shape[0]
         return jnp.swapaxes(a.reshape(p // count, count, *a.shape[1:]), 0, 1)
     return jax.tree.map(split, tree)
+
+
+def step_micro_batches(group: "TrainBatch", count: int) -> "TrainBatch":
+    """S steps' [S, P, ...] arrays → [count, S, P/count, ...] (`micro_batches` on the prompt
+    axis: micro-batch j keeps prompts j, j+count, ... of every step); `step` is dropped (None)."""
+    prompt_major = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), group.replace(step=None))
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), micro_batches(prompt_major, count))
 
 
 def micro_batch_cond(cond: dict, count: int) -> dict:
@@ -213,9 +228,17 @@ def micro_batch_loss(params, item: TrainBatch, cond: dict, ref_params, *,
       `log_ratio` [P, G] (log π/π_old of each sample).
     """
     lp, mean, std = log_prob_fn(params, item, cond)
-    kl = None
+    ref_mean = None
     if algo.kl_beta > 0:
         _, ref_mean, _ = log_prob_fn(jax.lax.stop_gradient(ref_params), item, cond)
+    return _loss_of_log_probs(lp, mean, std, ref_mean, item, algo)
+
+
+def _loss_of_log_probs(lp, mean, std, ref_mean, item: TrainBatch, algo: Algorithm):
+    """`micro_batch_loss` from one step's log-probs [P, G], means [P, G, N, C] and std [] (and
+    the reference's means when the algorithm has a KL term)."""
+    kl = None
+    if ref_mean is not None:
         p, g = item.x_next.shape[:2]
         kl = loss_lib.gaussian_kl(mean.reshape(p * g, *mean.shape[2:]),
                                   ref_mean.reshape(p * g, *mean.shape[2:]), std,
@@ -225,6 +248,62 @@ def micro_batch_loss(params, item: TrainBatch, cond: dict, ref_params, *,
     # Per sample [P, G], for the run's histograms (train.py).
     log_ratio = jax.lax.stop_gradient(lp - item.old_log_prob)
     return loss, dict(metrics, loss=loss, log_ratio=log_ratio)
+
+
+def steps_log_prob(params, group: TrainBatch, cond: dict, *, graphdef, algo: Algorithm,
+                   settings: PolicyUpdate, sigmas: jax.Array):
+    """`transition_log_prob` of S trained steps at once: one model call on S·P·Gx samples.
+
+    Args:
+      group: S steps of a TrainBatch: x [S, P, Gx, N, C], x_next [S, P, G, N, C], step [S].
+      (the rest as `transition_log_prob`)
+
+    Returns:
+      (log_prob [S, P, G], mean [S, P, G, N, C], std [S]).
+    """
+    s, p, gx = group.x.shape[:3]
+    velocity = rollout.make_velocity_fn(nnx.merge(graphdef, params), cond, settings.guidance,
+                                        settings.quantize_timesteps)
+    # Prompt-major [P, S·Gx, ...], so that each prompt's conditioning serves its S·Gx samples;
+    # column j of a prompt is step j // Gx.
+    x = jnp.swapaxes(group.x, 0, 1).reshape(p, s * gx, *group.x.shape[3:])
+    v = velocity(x, jnp.repeat(sigmas[group.step], gx))
+    v = jnp.swapaxes(v.reshape(p, s, gx, *v.shape[2:]), 0, 1)            # [S, P, Gx, N, C]
+    return jax.vmap(lambda v_k, x_k, next_k, step_k: rollout.step_log_prob(
+        v_k, x_k, next_k, sigmas, step_k, algo.eta, sde_step=algo.sde_step,
+        reduce=algo.log_prob_reduce))(v, group.x, group.x_next, group.step)
+
+
+def steps_loss(params, group: TrainBatch, cond: dict, ref_params, *, log_prob_fn: LogProbFn,
+               algo: Algorithm) -> tuple[jax.Array, dict]:
+    """The sum over S steps of `micro_batch_loss`, from one batched `steps_log_prob` call
+    (`log_prob_fn`). Returns (loss, metrics with a leading [S] axis)."""
+    lp, mean, std = log_prob_fn(params, group, cond)
+    ref_mean = None
+    if algo.kl_beta > 0:
+        _, ref_mean, _ = log_prob_fn(jax.lax.stop_gradient(ref_params), group, cond)
+    per_step = lambda lp_k, mean_k, std_k, ref_k, item_k: _loss_of_log_probs(
+        lp_k, mean_k, std_k, ref_k, item_k, algo)
+    losses, metrics = jax.vmap(per_step)(lp, mean, std, ref_mean, group)
+    return jnp.sum(losses), metrics
+
+
+def steps_gradient(loss_fn: LossFn, params, ref_params, group: TrainBatch, cond_micro: dict,
+                   count: int):
+    """`group_gradient` with `batch_steps`: per prompt micro-batch, one batched forward and
+    backward over the group's S steps (`loss_fn` is `steps_loss` bound). Returns (gradient,
+    metrics [S, M])."""
+    micro = step_micro_batches(group, count)
+
+    def add_micro_batch(total, inputs):
+        micro_group, micro_cond = inputs
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, micro_group.replace(step=group.step), micro_cond, ref_params)
+        return jax.tree.map(jnp.add, total, grads), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics = jax.lax.scan(add_micro_batch, zeros, (micro, cond_micro))
+    return grads, jax.tree.map(lambda m: jnp.swapaxes(m, 0, 1), metrics)   # [M, S] → [S, M]
 
 
 def step_gradient(loss_fn: LossFn, params, ref_params, item: TrainBatch, cond_micro: dict,
@@ -258,8 +337,10 @@ def group_gradient(loss_fn: LossFn, params, ref_params, group: TrainBatch, cond_
 
 
 def optimizer_step(state: TrainState, group: TrainBatch, *, loss_fn: LossFn,
-                   optimizer: optax.GradientTransformation, cond_micro: dict, count: int):
-    """One optimizer step on the gradient averaged over a group's S steps and micro-batches.
+                   optimizer: optax.GradientTransformation, cond_micro: dict, count: int,
+                   gradient_fn: Callable = group_gradient):
+    """One optimizer step on the gradient averaged over a group's S steps and micro-batches
+    (`gradient_fn`: `group_gradient`, or `steps_gradient` with a `steps_loss` loss_fn).
 
     A step whose loss or gradient is not finite (a NaN reward, an overflow) is not applied:
     parameters, moments and counters stay as they were.
@@ -268,8 +349,8 @@ def optimizer_step(state: TrainState, group: TrainBatch, *, loss_fn: LossFn,
       (state, (metrics [S, M], grad_norm [], skipped [] bool)).
     """
     per = group.step.shape[0]
-    grads, metrics = group_gradient(loss_fn, state.params, state.ref_params, group, cond_micro,
-                                    count)
+    grads, metrics = gradient_fn(loss_fn, state.params, state.ref_params, group, cond_micro,
+                                 count)
     grads = jax.tree.map(lambda g: g / (per * count), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -281,11 +362,27 @@ def optimizer_step(state: TrainState, group: TrainBatch, *, loss_fn: LossFn,
 
 
 def rescored_log_probs(log_prob_fn: LogProbFn, params, batch: TrainBatch, cond: dict,
-                       count: int) -> jax.Array:
+                       count: int, steps_per_call: int = 0) -> jax.Array:
     """log π_θ [K, P, G] of the batch's stored transitions under `params`, computed in the
     `count` prompt micro-batches the loss uses, so that the loss's first ratio is 1 by
-    construction whatever the rollout's batch shape or precision."""
+    construction whatever the rollout's batch shape or precision. `steps_per_call` > 0: the
+    `batch_steps` layout (`log_prob_fn` is `steps_log_prob` bound, called on groups of that
+    many steps)."""
     num_prompts = batch.x.shape[1]
+    if steps_per_call:
+        num_k = batch.step.shape[0]
+        groups = jax.tree.map(lambda a: a.reshape(num_k // steps_per_call, steps_per_call,
+                                                  *a.shape[1:]), batch)
+        conds = micro_batch_cond(cond, count)
+
+        def rescore_group(group):   # [S, P, ...] → [S, P, G]
+            micro = step_micro_batches(group, count)                      # [M, S, P/M, ...]
+            lps = jax.lax.map(lambda ic: log_prob_fn(params, ic[0].replace(step=group.step),
+                                                     ic[1])[0], (micro, conds))  # [M, S, P/M, G]
+            return jnp.swapaxes(lps, 0, 1).swapaxes(1, 2).reshape(steps_per_call, num_prompts,
+                                                                 -1)
+
+        return jax.lax.map(rescore_group, groups).reshape(num_k, num_prompts, -1)
 
     def rescore_step(item):
         items = micro_batches(item.replace(step=None), count)
@@ -305,9 +402,15 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
     grad_norm [U] and skipped [U] (the optimizer steps not applied because their loss or
     gradient was not finite); `summarize` reduces them.
     """
-    log_prob_fn = functools.partial(transition_log_prob, graphdef=graphdef, algo=algo,
-                                    settings=settings, sigmas=sigmas)
-    loss_fn = functools.partial(micro_batch_loss, log_prob_fn=log_prob_fn, algo=algo)
+    bound = dict(graphdef=graphdef, algo=algo, settings=settings, sigmas=sigmas)
+    if settings.batch_steps:
+        log_prob_fn = functools.partial(steps_log_prob, **bound)
+        loss_fn = functools.partial(steps_loss, log_prob_fn=log_prob_fn, algo=algo)
+        gradient_fn = steps_gradient
+    else:
+        log_prob_fn = functools.partial(transition_log_prob, **bound)
+        loss_fn = functools.partial(micro_batch_loss, log_prob_fn=log_prob_fn, algo=algo)
+        gradient_fn = group_gradient
 
     def update(state: TrainState, batch: TrainBatch, cond: dict):
         loss, log_prob = loss_fn, log_prob_fn
@@ -327,14 +430,16 @@ def make_update_fn(graphdef, optimizer: optax.GradientTransformation, algo: Algo
         num_k = batch.step.shape[0]
         per, count = group_sizes(num_k, batch.x.shape[1], settings)
         if settings.recompute_old_log_prob:
-            recomputed = rescored_log_probs(log_prob, state.params, batch, cond, count)
+            recomputed = rescored_log_probs(log_prob, state.params, batch, cond, count,
+                                            per if settings.batch_steps else 0)
             rollout_gap = jnp.max(jnp.abs(recomputed - batch.old_log_prob))
             batch = batch.replace(old_log_prob=recomputed)
         else:
             rollout_gap = jnp.zeros(())
         grouped = jax.tree.map(lambda a: a.reshape(num_k // per, per, *a.shape[1:]), batch)
         step = functools.partial(optimizer_step, loss_fn=loss, optimizer=optimizer,
-                                 cond_micro=micro_batch_cond(cond, count), count=count)
+                                 cond_micro=micro_batch_cond(cond, count), count=count,
+                                 gradient_fn=gradient_fn)
         state, (metrics, grad_norms, skipped) = jax.lax.scan(step, state, grouped)
         if settings.offload_optimizer_state:
             state = state.replace(opt_state=parallel.move_to_memory(state.opt_state,
