@@ -7,7 +7,7 @@
 # Runs, from the repository root, on a machine with jax[cuda] and torch with CUDA installed:
 #   1. nvidia-smi and the JAX devices                             → DIR/devices.txt
 #   2. the GPU tests: cuDNN attention against XLA in bf16, forward and gradients
-#      (tests/gpu/)                                               → DIR/gpu_tests.txt
+#      (benchmarks/gpu/)                                               → DIR/gpu_tests.txt
 #   3. benchmarks/run.py against torch, both on CUDA, at the medium and the large size
 #                                                                 → DIR/run_{medium,large}.json
 #   4. the main job (configs/shapes_cpu.py) on the GPU            → DIR/main_job/summary.md
@@ -48,7 +48,7 @@ FAILED=0
 step devices "$OUT/devices.txt" bash -c \
   "nvidia-smi; JAX_PLATFORMS=cuda python -c 'import jax; print(jax.devices())'"
 step gpu_tests "$OUT/gpu_tests.txt" env JAX_PLATFORMS=cuda,cpu \
-  timeout 90 python -m pytest -q -rs tests/gpu
+  timeout 90 python -m pytest -q -rs benchmarks/gpu
 step run_medium "$OUT/run_medium.txt" timeout 150 python benchmarks/run.py --platform=gpu \
   --out="$OUT/run_medium.json"
 step run_large "$OUT/run_large.txt" timeout 150 python benchmarks/run.py --platform=gpu \

@@ -17,7 +17,7 @@ def test_dry_run_lists_every_step_and_runs_none(tmp_path):
     steps = [line.split()[1].rstrip(":") for line in lines]
     assert steps == ["devices", "gpu_tests", "run_medium", "run_large", "main_job", "mfu"]
     text = result.stdout
-    assert "pytest -q -rs tests/gpu" in text
+    assert "pytest -q -rs benchmarks/gpu" in text
     assert f"benchmarks/run.py --platform=gpu --out={out}/run_medium.json" in text
     assert "--size=large" in text and f"--workdir={out}/main_job" in text
     assert not out.exists()              # nothing ran, nothing was written

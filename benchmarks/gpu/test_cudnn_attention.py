@@ -1,6 +1,7 @@
 """The cuDNN attention kernel against XLA's on FLUX's joint text + image attention with RoPE,
 in bfloat16, forward and gradients. Needs an NVIDIA GPU: `benchmarks/device_check.sh` runs it
-(with JAX_PLATFORMS=cuda,cpu); on a machine without one every case reports a skip that says so.
+(JAX_PLATFORMS=cuda,cpu). It lives outside tests/ (CI has no GPU); without one it fails to
+collect with an error that says so.
 
 Tolerances (bfloat16 inputs, outputs of size ~1): forward 2e-2 absolute, a few bf16 ulps (the
 kernel's fused softmax rounds in another order); gradients 5e-2, the backward rounds twice.
@@ -9,14 +10,14 @@ kernel's fused softmax rounds in another order); gradients 5e-2, the backward ro
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from g2rpo_jax import parallel
 from g2rpo_jax.models import flux
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
-pytestmark = pytest.mark.skipif(not GPUS, reason="needs an NVIDIA GPU (run "
-                                "benchmarks/device_check.sh on one)")
+if not GPUS:
+    raise RuntimeError(f"These checks need an NVIDIA GPU; JAX sees {jax.devices()}. Run them "
+                       "with benchmarks/device_check.sh on a machine with one.")
 
 HEADS, HEAD_DIM, TEXT, SIDE = 8, 64, 32, 16     # 32 text + 256 image tokens, FLUX's head width
 ROPE = (8, 28, 28)
