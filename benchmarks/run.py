@@ -59,7 +59,7 @@ TOY_MEDIUM_MODEL = dict(num_layers=1, num_single_layers=1, attention_head_dim=32
 
 def tiny_spec(args) -> dict:
     """The embedded default (configs/shapes_cpu.py): its model, sampling and algorithm."""
-    from g2rpo_jax import config_lib
+    from g2rpo_jax.run import config_lib
 
     config = config_lib.load_config("shapes_cpu.py")
     algo = config.algorithm.to_dict()
@@ -80,7 +80,7 @@ def tiny_spec(args) -> dict:
 
 
 def medium_spec(args) -> dict:
-    from g2rpo_jax import config_lib
+    from g2rpo_jax.run import config_lib
 
     toy = args.size == "toy"
     sections = {"toy": TOY_MEDIUM_MODEL, "large": LARGE_MODEL}.get(args.size, MEDIUM_MODEL)
@@ -97,7 +97,7 @@ def medium_spec(args) -> dict:
 def flux_config(spec):
     import ml_collections
 
-    from g2rpo_jax import config_lib
+    from g2rpo_jax.run import config_lib
     return config_lib.to_flux_config(ml_collections.ConfigDict(spec["model"]))
 
 
@@ -234,7 +234,7 @@ def _load_batch(path):
 
 
 def optimizer_settings() -> dict:
-    from g2rpo_jax import config_lib
+    from g2rpo_jax.run import config_lib
     return config_lib.optimizer_config(learning_rate=1e-5).to_dict()
 
 
@@ -245,9 +245,9 @@ class JaxTrain:
         import ml_collections
         import numpy as np
 
-        from g2rpo_jax import optimizer as optimizer_lib
         from g2rpo_jax import parallel
         from g2rpo_jax.models import flux
+        from g2rpo_jax.rl import optimizer as optimizer_lib
         from g2rpo_jax.rl import policy_update
 
         self.jax = jax

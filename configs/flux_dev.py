@@ -5,8 +5,8 @@
 Without a checkpoint only shapes are computed (no memory is allocated for the weights).
 """
 
-from g2rpo_jax import config_lib
 from g2rpo_jax.rl import algorithms
+from g2rpo_jax.run import config_lib
 
 
 def get_config(algorithm: str = "g2rpo"):

@@ -4,7 +4,7 @@ test fixture. Runs anywhere in seconds.
 
   python -m g2rpo_jax.main --config=configs/flux_tiny.py --workdir=/tmp/flux_tiny   # describe
 
-The whole path on the tiny checkpoints (docs/guide.md, "The FLUX path"):
+The whole path on the tiny checkpoints (docs/flux.md):
 
   python -m g2rpo_jax.testing.flux_fixture DIR          # prints the --config.* flags below
   python -m g2rpo_jax.preprocess --config=configs/flux_tiny.py FLAGS
@@ -17,7 +17,7 @@ with FLAGS = --config.model.checkpoint=DIR/flux --config.data.prompts_file=DIR/p
 """
 
 
-from g2rpo_jax import config_lib
+from g2rpo_jax.run import config_lib
 from g2rpo_jax.testing import flux_fixture
 
 

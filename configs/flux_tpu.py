@@ -17,7 +17,7 @@ SLICES; without one: v5p-16 and larger); e.g. `:dance_grpo,hps_clip`, `:g2rpo,hp
 
 Paths are fields: they all derive from `paths.root` (a gs:// placeholder), laid out as below;
 override the root, or any single path, on the command line. Every path may be local or gs://
-(g2rpo_jax.storage: weights are downloaded once into a local cache and memory-mapped from
+(g2rpo_jax.core.storage: weights are downloaded once into a local cache and memory-mapped from
 there; no gcsfuse needed).
   ROOT/FLUX.1-dev/                 diffusers FLUX.1-dev (transformer/, vae/, text_encoder/,
                                    text_encoder_2/, tokenizer/, tokenizer_2/)
@@ -27,15 +27,15 @@ there; no gcsfuse needed).
   ROOT/prompts/                    hpdv2_train.txt, hpdv2_test.txt (one prompt per line)
   ROOT/tfds/                       the preprocessed prompt-embedding datasets (g2rpo_jax.preprocess)
 
-Memory: `benchmarks/tpu_aot.py` compiles this config's rollout and update for real TPU
+Memory: `benchmarks/perf/tpu_aot.py` compiles this config's rollout and update for real TPU
 topologies on a CPU and reports per-chip memory (docs/tpu_memory.md); the defaults of
 the mesh, the continuation lanes and the update's micro-batch are the measured ones.
 """
 
 import ml_collections
 
-from g2rpo_jax import config_lib
 from g2rpo_jax.rl import algorithms
+from g2rpo_jax.run import config_lib
 
 # ------------------------------------------------------------------------------------------
 # The paper's numbers (method.md), named for the tests and the AOT tool.
@@ -61,7 +61,7 @@ REWARDS = {
 }
 
 # ------------------------------------------------------------------------------------------
-# Memory-bound settings, measured with benchmarks/tpu_aot.py (docs/tpu_memory.md) with the
+# Memory-bound settings, measured with benchmarks/perf/tpu_aot.py (docs/tpu_memory.md) with the
 # model's default attention ("auto": the splash flash kernel on TPU, which keeps the
 # [S, S] attention logits out of HBM).
 # Continuation lanes run side by side in one model call of prompts × lanes × G samples; every
@@ -87,7 +87,7 @@ LORA = {"lora32": dict(rank=32, alpha=64.0), "lora128": dict(rank=128, alpha=256
 LORA_LEARNING_RATE = 3e-4
 
 # The smallest slice of each TPU generation on which the paper's setting (16 prompts) compiles
-# with rollout and update within 90% of HBM per chip, as measured with benchmarks/tpu_aot.py for
+# with rollout and update within 90% of HBM per chip, as measured with benchmarks/perf/tpu_aot.py for
 # Λ = {1,2,3} and {1,2} (docs/tpu_memory.md, "The smallest slice"): the option word sets the
 # mesh's fsdp group, the moments' dtype and a cap on the continuation lanes; `lora_ranks` names
 # the adapter ranks a LoRA-only slice was measured with (None: full fine-tuning fits, and LoRA

@@ -9,8 +9,9 @@ Runs in minutes on 2 CPU cores; docs/results.md has the base → final scores, t
 tried around these and the algorithms compared.
 """
 
-from g2rpo_jax import config_lib, generator
 from g2rpo_jax.rl import algorithms
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.tasks import generator
 
 # Sized for 2 CPU cores: T = 10 steps, 16 prompts × groups of 8 per iteration, G²RPO branches
 # at the first 4 steps (the first half of the schedule is where the paper branches). The clip

@@ -15,7 +15,7 @@ run continued for 6,000 more steps (docs/results.md, "The shipped base generator
 
 import ml_collections
 
-from g2rpo_jax import config_lib
+from g2rpo_jax.run import config_lib
 
 
 def get_config():

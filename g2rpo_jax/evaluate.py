@@ -24,8 +24,11 @@ from flax import nnx
 import jax
 import numpy as np
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, held_out, parallel, storage, tasks
+from g2rpo_jax import parallel, tasks
+from g2rpo_jax.core import storage
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.tasks import held_out
 
 _FLAGS = {}
 

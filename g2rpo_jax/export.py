@@ -45,10 +45,12 @@ from flax import nnx
 import jax
 import numpy as np
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, parallel, storage
+from g2rpo_jax import parallel
+from g2rpo_jax.core import storage
 from g2rpo_jax.models import execution, flux, flux_weights, lora, safetensors_io
 from g2rpo_jax.parallel import sharding as sharding_lib
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import config_lib
 from g2rpo_jax.tasks import flux as flux_task
 
 FORMATS = flux_weights.LAYOUTS

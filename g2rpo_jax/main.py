@@ -22,8 +22,10 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from g2rpo_jax import checkpoint, config_lib, parallel, storage
+from g2rpo_jax import parallel
+from g2rpo_jax.core import storage
 from g2rpo_jax.models import flux, flux_weights, lora
+from g2rpo_jax.run import checkpoint, config_lib
 
 _CONFIG = config_lib.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for outputs (created if missing).")

@@ -19,8 +19,10 @@ import time
 
 from absl import app, flags, logging
 
-from g2rpo_jax import config_lib, parallel, storage
+from g2rpo_jax import parallel
+from g2rpo_jax.core import storage
 from g2rpo_jax.data import embedding_dataset, embedding_preparation, text_encoders
+from g2rpo_jax.run import config_lib
 
 _FLAGS = {}
 

@@ -22,12 +22,15 @@ import jax.numpy as jnp
 import optax
 import tqdm
 
-from g2rpo_jax import generator as generator_lib
-from g2rpo_jax import held_out, parallel, storage, wandb_logger
-from g2rpo_jax import metrics as metrics_lib
-from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax import parallel
+from g2rpo_jax.core import storage
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds
+from g2rpo_jax.rl import optimizer as optimizer_lib
+from g2rpo_jax.run import metrics as metrics_lib
+from g2rpo_jax.run import wandb_logger
+from g2rpo_jax.tasks import generator as generator_lib
+from g2rpo_jax.tasks import held_out
 
 
 def flow_matching_loss(velocity: jax.Array, x0: jax.Array, noise: jax.Array) -> jax.Array:

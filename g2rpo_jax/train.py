@@ -8,7 +8,7 @@ embeddings and reward models.
   python -m g2rpo_jax.main --config=configs/flux_tiny.py --config.mode=train --workdir=DIR ...
 
 The same command with the same DIR continues the run from its latest complete checkpoint
-(g2rpo_jax.checkpoint); `--config.train.start_over=True` starts again instead. SIGTERM saves
+(g2rpo_jax.run.checkpoint); `--config.train.start_over=True` starts again instead. SIGTERM saves
 at the next iteration boundary and exits 0. A step with a non-finite loss or gradient is not
 applied (counted as train/skipped_steps); train.max_consecutive_skips in a row stop the run.
 
@@ -36,15 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import held_out, parallel, preemption, storage, tasks, wandb_logger
-from g2rpo_jax import metrics as metrics_lib
-from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax import parallel, tasks
+from g2rpo_jax.core import storage
 from g2rpo_jax.models import lora
 from g2rpo_jax.rl import advantages as advantages_lib
 from g2rpo_jax.rl import iteration as iteration_lib
+from g2rpo_jax.rl import optimizer as optimizer_lib
 from g2rpo_jax.rl import policy_update
 from g2rpo_jax.rl.algorithms import Algorithm
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import metrics as metrics_lib
+from g2rpo_jax.run import preemption, wandb_logger
+from g2rpo_jax.tasks import held_out
 
 # Compile the loop's programs ahead (`_CompileAhead`) on a CPU backend too. Off: there the base
 # evaluation already runs on the same cores, and on the 2-core development machine compiling
@@ -215,7 +218,7 @@ def _log_samples(logger, step: int, task, finals, scores, batch, algo, mesh, rul
 
 def train(config, workdir: str, mesh, rules) -> dict:
     """RL fine-tuning on the task `config.task` (g2rpo_jax.tasks: "shapes" or "flux"); resumes
-    the run in `workdir` if it has a checkpoint (docs/guide.md, "Checkpoints and resuming")."""
+    the run in `workdir` if it has a checkpoint (docs/configs.md, "Checkpoints and resuming")."""
     settings = config.train
     wandb_logger.validate(config.get("logging"))   # before any compute
     checkpoint_lib.ensure_writable(workdir)
@@ -229,78 +232,199 @@ def train(config, workdir: str, mesh, rules) -> dict:
         return _train(config, workdir, mesh, rules, run, cleanup)
 
 
-def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack) -> dict:
-    settings = config.train
-    timer = metrics_lib.PhaseTimer()
-    cleanup.callback(timer.close)
-    task = tasks.build(config, mesh, rules)
-    algo = Algorithm.from_config(config.algorithm)
-    sigmas = held_out.sigmas_from_config(config)
-    reward_names = list(task.reward_names)
+class _Stages:
+    """One iteration's four stages (docs/architecture.md, "One iteration"), each timed as its
+    phase: the prompts' batch, sample (the jitted rollout), reward (host side, outside the
+    global mesh: a task may decode and score on each process's own devices), advantages (the
+    jitted finish) and update (the jitted, donated policy update).
 
-    graphdef, params, frozen = _split_policy(task.policy)
-    optimizer = optimizer_lib.make_optimizer(config.optimizer)
-    keep_reference = algo.kl_beta > 0 and frozen is None   # LoRA: the reference is the base
-    update_settings = policy_update.PolicyUpdate.from_config(config)
-    restored = run.restore_latest(policy_update.abstract_state(
-        params, optimizer, keep_reference, mesh, update_settings), config)
-    if restored is None:
-        state = policy_update.init_state(params, optimizer, keep_reference, mesh,
-                                         update_settings, frozen=frozen)
-        key, loop = parallel.replicated(jax.random.key(config.seed), mesh), _fresh_loop_state()
-    else:
-        start_iteration, state, key, loop = restored
+    The waits at the ends of the rollout and the advantages are where the host needs the
+    result next anyway (the reward decodes the finals; the update's dispatch is all that waits
+    on the advantages), so they cost the loop nothing but attribute device time to the phase
+    that ran it.
+    """
+
+    def __init__(self, task, sample_fn, finish_fn, update_fn, timer, mesh):
+        self.task, self.timer, self.mesh = task, timer, mesh
+        self._sample_fn, self._finish_fn, self._update_fn = sample_fn, finish_fn, update_fn
+        self._first_batch = None   # fetched early when compiling ahead
+        self._ahead = None
+        self._compiled_update = None
+
+    def compile_ahead(self, state, key, iteration: int, num_rewards: int, cleanup) -> None:
+        """Fetches the first iteration's batch now and compiles its programs on a background
+        thread (`_CompileAhead`) while the loop's thread evaluates the base."""
+        with self.timer.phase("data"):
+            self._first_batch = self.task.next_batch()
+        self._ahead = _CompileAhead(self._sample_fn, self._finish_fn, self._update_fn, state,
+                                    self._first_batch.cond, jax.random.fold_in(key, iteration),
+                                    iteration, self.mesh, num_rewards)
+        cleanup.callback(self._ahead.close)
+
+    def data(self):
+        with self.timer.phase("data"):
+            batch, self._first_batch = self._first_batch or self.task.next_batch(), None
+            return batch
+
+    def sample(self, state, cond, key, iteration: int):
+        """→ (finals, transitions), on the device."""
+        with self.timer.phase("rollout"), jax.set_mesh(self.mesh):
+            if self._ahead:
+                self._ahead.wait("sample")
+            finals, transitions = self._sample_fn(state.policy_params(), cond,
+                                                  jax.random.fold_in(key, iteration), iteration)
+            jax.block_until_ready(finals)
+            return finals, transitions
+
+    def reward(self, finals, batch):
+        """→ scores [R, P, M] (every process holds all of them)."""
+        with self.timer.phase("reward"):
+            return self.task.rewards(finals, batch)
+
+    def advantages(self, scores, transitions):
+        """→ (TrainBatch with advantages [K, P, G], stats)."""
+        with self.timer.phase("advantages"), jax.set_mesh(self.mesh):
+            if self._ahead:
+                self._ahead.wait("finish")
+            train_batch, stats = self._finish_fn(parallel.replicated(scores, self.mesh),
+                                                 transitions)
+            jax.block_until_ready(train_batch)
+            return train_batch, stats
+
+    def update(self, state, train_batch, cond):
+        """→ (new state, metrics, their host summary); the old state is donated."""
+        with self.timer.phase("update"), jax.set_mesh(self.mesh):
+            if self._compiled_update is None:
+                self._compiled_update = (self._ahead and self._ahead.update_for(train_batch)) \
+                    or policy_update.jit_update(self._update_fn, state, train_batch, cond)
+                self._ahead = None
+            state, metrics = self._compiled_update(state, train_batch, cond)
+            return state, metrics, policy_update.summarize(metrics)   # waits for the update
+
+
+class _Session:
+    """One session of a run and its side effects: the task and its programs, the train state
+    (restored from the latest checkpoint or fresh), the loop's bookkeeping (`loop`, saved in
+    every checkpoint), the logger, the held-out evaluations, checkpoints, the SIGTERM watcher,
+    the phase timer and the progress bar. `_train` drives it one iteration at a time."""
+
+    def __init__(self, config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack):
+        self.config, self.workdir, self.mesh, self.rules = config, workdir, mesh, rules
+        self.run, self.settings = run, config.train
+        self.num_iterations = self.settings.num_iterations
+        self.timer = metrics_lib.PhaseTimer()
+        cleanup.callback(self.timer.close)
+        self.task = tasks.build(config, mesh, rules)
+        self.algo = Algorithm.from_config(config.algorithm)
+        self.reward_names = list(self.task.reward_names)
+        self._restore_or_init()
+        sigmas = held_out.sigmas_from_config(config)
+        sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
+            self.graphdef, self.algo, sigmas, self.task.latent_shape, self.task.reward_weights,
+            guidance=config.sampling.guidance,
+            quantize_timesteps=config.sampling.quantize_timesteps))
+        update_fn = policy_update.make_update_fn(self.graphdef, self._optimizer, self.algo,
+                                                 self._update_settings, sigmas)
+        self.stages = _Stages(self.task, sample_fn, finish_fn, update_fn, self.timer, mesh)
+        loop = self.loop
+        self.logger = metrics_lib.MetricsLogger(
+            workdir, keep_rows=loop["metrics_rows"],
+            purge_step=loop["iteration"] + 1 if self.resumed else 0,
+            elapsed=loop["elapsed_seconds"], config=config)
+        cleanup.callback(self.logger.close)
+        if not self.resumed:
+            self.logger.text(0, "config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
+        self.images_dir = os.path.join(workdir, "images")
+        storage.makedirs(self.images_dir)
+        evaluator = self.task.evaluator
+        self.grid_count = (min(self.settings.images_in_grid, len(evaluator.prompts))
+                           if evaluator else 0)
+        self._start(cleanup)
+
+    def _restore_or_init(self) -> None:
+        """The train state, key and loop bookkeeping: from the latest checkpoint, else fresh."""
+        config, settings = self.config, self.settings
+        self.graphdef, params, frozen = _split_policy(self.task.policy)
+        self._optimizer = optimizer_lib.make_optimizer(config.optimizer)
+        keep_reference = self.algo.kl_beta > 0 and frozen is None  # LoRA: the reference is the base
+        self._update_settings = policy_update.PolicyUpdate.from_config(config)
+        restored = self.run.restore_latest(policy_update.abstract_state(
+            params, self._optimizer, keep_reference, self.mesh, self._update_settings), config)
+        self.resumed = restored is not None
+        if restored is None:
+            self.state = policy_update.init_state(params, self._optimizer, keep_reference,
+                                                  self.mesh, self._update_settings,
+                                                  frozen=frozen)
+            self.key = parallel.replicated(jax.random.key(config.seed), self.mesh)
+            self.loop = _fresh_loop_state()
+            return
+        start_iteration, state, self.key, loop = restored
         del params   # the restored parameters replace the starting point's
-        state = state.replace(frozen=frozen)   # LoRA: the base is not in the checkpoint
+        self.state = state.replace(frozen=frozen)   # LoRA: the base is not in the checkpoint
         if start_iteration > settings.num_iterations:
             raise ValueError(
-                f"The run in {workdir} is at iteration {start_iteration}, past "
+                f"The run in {self.workdir} is at iteration {start_iteration}, past "
                 f"train.num_iterations={settings.num_iterations}: raise num_iterations to "
                 "extend it, or evaluate its checkpoint (python -m g2rpo_jax.evaluate).")
-        task.restore_data_state(loop["data"])
+        self.task.restore_data_state(loop["data"])
         # A checkpoint written before the loop timed its phases: those iterations have none.
         loop.setdefault("phase_seconds", [{} for _ in loop["iteration_seconds"]])
-        loop.setdefault("compile_seconds", {})
-        loop.setdefault("other_seconds", {})
-        loop.setdefault("evaluations", [])
-        loop.setdefault("warnings", [])
-        loop.setdefault("counts", [])
-        logging.info("Resuming %s from iteration %d (%s).", workdir, start_iteration,
-                     run.step_dir(start_iteration))
-    sample_fn, finish_fn = map(jax.jit, iteration_lib.make_rollout_stages(
-        graphdef, algo, sigmas, task.latent_shape, task.reward_weights,
-        guidance=config.sampling.guidance,
-        quantize_timesteps=config.sampling.quantize_timesteps))
-    update_fn = policy_update.make_update_fn(graphdef, optimizer, algo, update_settings, sigmas)
-    resumed = restored is not None
-    logger = metrics_lib.MetricsLogger(
-        workdir, keep_rows=loop["metrics_rows"],
-        purge_step=loop["iteration"] + 1 if resumed else 0, elapsed=loop["elapsed_seconds"],
-        config=config)
-    cleanup.callback(logger.close)
-    if not resumed:
-        logger.text(0, "config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
-    images_dir = os.path.join(workdir, "images")
-    storage.makedirs(images_dir)
-    evaluator = task.evaluator
-    grid_count = min(settings.images_in_grid, len(evaluator.prompts)) if evaluator else 0
+        for name, empty in (("compile_seconds", {}), ("other_seconds", {}), ("evaluations", []),
+                            ("warnings", []), ("counts", [])):
+            loop.setdefault(name, empty)
+        self.loop = loop
+        logging.info("Resuming %s from iteration %d (%s).", self.workdir, start_iteration,
+                     self.run.step_dir(start_iteration))
 
-    def evaluate(iteration, name=None):
+    def _start(self, cleanup) -> None:
+        """Before the first iteration: compile ahead (on an accelerator), the base evaluation,
+        this session's setup seconds, the SIGTERM watcher and the progress bar."""
+        loop, mesh = self.loop, self.mesh
+        if loop["iteration"] < self.num_iterations:
+            loop["final"] = None   # an extended run evaluates again at its new end
+            # This process's first iteration compiles: kept out of the per-iteration median.
+            loop["session_starts"].append(len(loop["iteration_seconds"]))
+            if COMPILE_AHEAD_ON_CPU or mesh.devices.flat[0].platform != "cpu":
+                self.stages.compile_ahead(self.state, self.key, loop["iteration"],
+                                          len(self.reward_names), cleanup)
+        if loop["base"] is None:
+            with self.timer.phase("evaluation"):
+                loop["base"] = loop["latest"] = self.evaluate(0, "base")
+            logging.info("Base held-out scores: %s", loop["base"])
+        # Building the task, restoring and the base evaluation: this session's setup.
+        setup = self.timer.lap()
+        _add_seconds(loop["other_seconds"], {
+            "setup": setup["time/iteration_s"], "setup_compile": setup["time/compile_s"],
+            "setup_compile_background": setup["time/compile_background_s"],
+            "base_evaluation": setup["time/evaluation_s"]})
+        self._compiled_before = dict(loop["compile_seconds"])   # earlier sessions' seconds
+        self._last_save = time.monotonic()
+        self.watcher = preemption.Watcher()
+        cleanup.callback(self.watcher.close)
+        self.bar = tqdm.tqdm(range(loop["iteration"], self.num_iterations),
+                             initial=loop["iteration"], total=self.num_iterations,
+                             desc=f"train {self.config.algorithm.name}", dynamic_ncols=True,
+                             disable=jax.process_index() != 0)
+
+    def evaluate(self, iteration: int, name: str | None = None) -> dict:
+        """Held-out scores of the current policy, logged with their grid (and, named, written
+        to images/<name>.png); checks them for reward hacking."""
+        evaluator, loop, logger = self.task.evaluator, self.loop, self.logger
         if evaluator is None:  # no held-out prompts configured
             return {}
-        evaluation = evaluator.evaluate(state.policy_params())
+        evaluation = evaluator.evaluate(self.state.policy_params())
         scores = evaluation.means()
         if jax.process_index() == 0:
             # The same prompts and noise at every evaluation, so grids compare across
             # iterations and runs.
             title = f"iteration {iteration}: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in scores.items())
-            grid = held_out.grid_image(evaluation.first_images[:grid_count, 0],
-                                       evaluator.prompts[:grid_count], title=title)
+            grid = held_out.grid_image(evaluation.first_images[:self.grid_count, 0],
+                                       evaluator.prompts[:self.grid_count], title=title)
             logger.image(iteration, "eval/samples", np.asarray(grid))
             logger.text(iteration, "eval/scores", title)
             if name:
-                with storage.open_atomic(os.path.join(images_dir, f"{name}.png")) as f:
+                with storage.open_atomic(os.path.join(self.images_dir, f"{name}.png")) as f:
                     grid.save(f, format="PNG")
         counts = evaluation.totals()
         logger.write(iteration, {f"eval/{k}": v for k, v in {**scores, **counts}.items()})
@@ -308,94 +432,31 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         if counts:
             loop["counts"].append([iteration, counts])
         for line in metrics_lib.hacking_warnings(
-                loop["evaluations"], task.in_domain,
-                [k for k in task.score_names if k not in task.in_domain],
-                settings.hacking_margin, settings.hacking_window):
+                loop["evaluations"], self.task.in_domain,
+                [k for k in self.task.score_names if k not in self.task.in_domain],
+                self.settings.hacking_margin, self.settings.hacking_window):
             logging.warning(line)
             loop["warnings"].append(line)
         return scores
 
-    def save(iteration, wait=False):
-        loop.update(iteration=iteration, data=task.data_state(), metrics_rows=logger.rows,
-                    elapsed_seconds=logger.elapsed)
-        return run.save(iteration, state, key, loop, config, wait=wait)
+    def save(self, iteration: int, wait: bool = False):
+        self.loop.update(iteration=iteration, data=self.task.data_state(),
+                         metrics_rows=self.logger.rows, elapsed_seconds=self.logger.elapsed)
+        return self.run.save(iteration, self.state, self.key, self.loop, self.config, wait=wait)
 
-    num_iterations = settings.num_iterations
-    first_batch = ahead = None
-    if loop["iteration"] < num_iterations:
-        loop["final"] = None   # an extended run evaluates again at its new end
-        # This process's first iteration compiles: kept out of the per-iteration median.
-        loop["session_starts"].append(len(loop["iteration_seconds"]))
-    if loop["iteration"] < num_iterations and (
-            COMPILE_AHEAD_ON_CPU or mesh.devices.flat[0].platform != "cpu"):
-        # The first iteration's batch, fetched now so that its programs compile during the
-        # base evaluation.
-        with timer.phase("data"):
-            first_batch = task.next_batch()
-        ahead = _CompileAhead(sample_fn, finish_fn, update_fn, state, first_batch.cond,
-                              jax.random.fold_in(key, loop["iteration"]), loop["iteration"],
-                              mesh, len(reward_names))
-        cleanup.callback(ahead.close)
-    if loop["base"] is None:
-        with timer.phase("evaluation"):
-            loop["base"] = loop["latest"] = evaluate(0, "base")
-        logging.info("Base held-out scores: %s", loop["base"])
-    # Building the task, restoring and the base evaluation: this session's setup.
-    setup = timer.lap()
-    _add_seconds(loop["other_seconds"], {"setup": setup["time/iteration_s"],
-                                         "setup_compile": setup["time/compile_s"],
-                                         "setup_compile_background":
-                                             setup["time/compile_background_s"],
-                                         "base_evaluation": setup["time/evaluation_s"]})
-    compiled_before = dict(loop["compile_seconds"])   # earlier sessions' compile seconds
-    compiled_update = None
-    # The held-out score the progress bar shows (the task's first).
-    progress_score = task.score_names[0] if task.score_names else None
-    last_save = time.monotonic()
-    watcher = preemption.Watcher()
-    cleanup.callback(watcher.close)
-    bar = tqdm.tqdm(range(loop["iteration"], num_iterations), initial=loop["iteration"],
-                    total=num_iterations, desc=f"train {config.algorithm.name}",
-                    dynamic_ncols=True, disable=jax.process_index() != 0)
-    # Each row's time/* columns cover the wall time since the previous row's (the loop's start
-    # for the first): the iteration's phases, and the previous iteration's checkpoint save.
-    # The waits at the ends of the rollout and the advantages are where the host needs the
-    # result next anyway (the reward decodes the finals; the update's dispatch is all that
-    # waits on the advantages), so they cost the loop nothing but attribute device time to the
-    # phase that ran it.
-    for it in bar:
-        tick = time.perf_counter()
-        with timer.phase("data"):
-            batch, first_batch = first_batch or task.next_batch(), None
-        cond = batch.cond
-        with timer.phase("rollout"), jax.set_mesh(mesh):
-            if ahead:
-                ahead.wait("sample")
-            finals, transitions = sample_fn(state.policy_params(), cond,
-                                            jax.random.fold_in(key, it), it)
-            jax.block_until_ready(finals)
-        # Outside the global mesh: a task may decode and score on each process's own devices.
-        with timer.phase("reward"):
-            scores = task.rewards(finals, batch)
-        with timer.phase("advantages"), jax.set_mesh(mesh):
-            if ahead:
-                ahead.wait("finish")
-            train_batch, stats = finish_fn(parallel.replicated(scores, mesh), transitions)
-            jax.block_until_ready(train_batch)
-        with timer.phase("update"), jax.set_mesh(mesh):
-            if compiled_update is None:
-                compiled_update = (ahead and ahead.update_for(train_batch)) or \
-                    policy_update.jit_update(update_fn, state, train_batch, cond)
-                ahead = None
-            state, metrics = compiled_update(state, train_batch, cond)
-            summary = policy_update.summarize(metrics)   # on the host: waits for the update
+    def record(self, it: int, tick: float, batch, finals, scores, train_batch, stats, metrics,
+               summary) -> None:
+        """After iteration `it`'s update: the skip counters (and the stop after too many in a
+        row), histograms and sample grids, the periodic evaluation, and the iteration's row
+        (its scalars and the seconds of every phase since the previous row's)."""
+        loop, settings, logger = self.loop, self.settings, self.logger
         _count_skips(loop, metrics["skipped"])
-        _log_distributions(logger, it + 1, reward_names, scores, train_batch, metrics)
+        _log_distributions(logger, it + 1, self.reward_names, scores, train_batch, metrics)
         if settings.samples_every and (it + 1) % settings.samples_every == 0:
-            _log_samples(logger, it + 1, task, finals, scores, batch, algo, mesh,
-                         parallel.rules_from_config(rules), settings.sample_prompts)
+            _log_samples(logger, it + 1, self.task, finals, scores, batch, self.algo, self.mesh,
+                         parallel.rules_from_config(self.rules), settings.sample_prompts)
         reward_mean = np.asarray(stats["reward_mean"])
-        row = {f"train/reward_{n}": float(v) for n, v in zip(reward_names, reward_mean)}
+        row = {f"train/reward_{n}": float(v) for n, v in zip(self.reward_names, reward_mean)}
         row["train/reward_std"] = float(np.mean(stats["reward_std"]))
         row.update({f"train/{k}": v for k, v in summary.items()})
         row["train/skipped_steps"] = loop["skipped_steps"]   # over the run, not this update
@@ -403,62 +464,102 @@ def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack
         row["train/seconds"] = loop["iteration_seconds"][-1]
         if loop["consecutive_skips"] >= settings.max_consecutive_skips:
             logger.write(it + 1, row)
-            steps = run.steps()
+            steps = self.run.steps()
             raise FloatingPointError(
                 f"{loop['consecutive_skips']} optimizer steps in a row had a non-finite "
                 f"loss or gradient (loss {summary['loss']}, gradient norm "
-                f"{summary['grad_norm']}) up to iteration {it + 1} ({algo}); none was "
+                f"{summary['grad_norm']}) up to iteration {it + 1} ({self.algo}); none was "
                 "applied. The last good checkpoint is "
-                f"{run.step_dir(steps[-1]) if steps else 'none (no iteration was saved)'}"
+                f"{self.run.step_dir(steps[-1]) if steps else 'none (no iteration was saved)'}"
                 ". Check the rewards for NaN, or lower optimizer.learning_rate or "
                 "algorithm.advantage_clip (train.max_consecutive_skips sets the limit).")
         if settings.eval_every and (it + 1) % settings.eval_every == 0 \
-                and it + 1 < num_iterations:
-            with timer.phase("evaluation"):
-                loop["latest"] = evaluate(it + 1)
-        times = timer.lap()
+                and it + 1 < self.num_iterations:
+            with self.timer.phase("evaluation"):
+                loop["latest"] = self.evaluate(it + 1)
+        times = self.timer.lap()
         loop["phase_seconds"].append(times)
-        loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
+        loop["compile_seconds"] = _sum_seconds(self._compiled_before,
+                                               self.timer.compile_by_phase())
         row.update(times)
         logger.write(it + 1, row)
-        bar.set_postfix({"reward": f"{reward_mean[0]:.3f}",
-                         "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
-                         "clip": f"{summary['clip_fraction']:.2f}",
-                         "skipped": loop["skipped_steps"],
-                         "held_out": f"{loop['latest'].get(progress_score, float('nan')):.3f}"})
-        if it + 1 == num_iterations:
-            break   # the final evaluation and save follow
-        if watcher.reached(it + 1):
-            path = save(it + 1, wait=True)
-            bar.close()
-            logging.warning("SIGTERM (preemption): saved iteration %d to %s; run the same "
-                            "command to resume.", it + 1, path)
-            return {"preempted": True, "iteration": it + 1, "checkpoint": path}
-        periodic = settings.checkpoint_every and (it + 1) % settings.checkpoint_every == 0
+        score = self.task.score_names[0] if self.task.score_names else None
+        self.bar.set_postfix({
+            "reward": f"{reward_mean[0]:.3f}",
+            "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
+            "clip": f"{summary['clip_fraction']:.2f}", "skipped": loop["skipped_steps"],
+            "held_out": f"{loop['latest'].get(score, float('nan')):.3f}"})
+
+    def preempted(self, iteration: int) -> dict | None:
+        """After a SIGTERM (agreed across processes): saves `iteration`, waiting for the save,
+        and returns what `train` returns; else None."""
+        if not self.watcher.reached(iteration):
+            return None
+        path = self.save(iteration, wait=True)
+        self.bar.close()
+        logging.warning("SIGTERM (preemption): saved iteration %d to %s; run the same "
+                        "command to resume.", iteration, path)
+        return {"preempted": True, "iteration": iteration, "checkpoint": path}
+
+    def checkpoint_if_due(self, iteration: int) -> None:
+        """Saves every train.checkpoint_every iterations and train.checkpoint_every_seconds
+        (both optional)."""
+        settings = self.settings
+        periodic = settings.checkpoint_every and iteration % settings.checkpoint_every == 0
         timed = settings.checkpoint_every_seconds and preemption.agree(
-            time.monotonic() - last_save >= settings.checkpoint_every_seconds)
+            time.monotonic() - self._last_save >= settings.checkpoint_every_seconds)
         if periodic or timed:
+            with self.timer.phase("checkpoint"):
+                self.save(iteration)
+            self._last_save = time.monotonic()
+
+    def finish(self) -> dict:
+        """The final evaluation and save, then summary.json, the task's output file and the
+        plot (`_finish`)."""
+        loop, timer = self.loop, self.timer
+        self.bar.close()
+        self.watcher.close()   # a SIGTERM from here on ends the process as usual
+        timer.lap()
+        if loop["final"] is None:
+            with timer.phase("evaluation"):
+                loop["final"] = self.evaluate(self.num_iterations, "final")
+        if self.num_iterations not in self.run.steps():
             with timer.phase("checkpoint"):
-                save(it + 1)
-            last_save = time.monotonic()
-    bar.close()
-    watcher.close()   # a SIGTERM from here on ends the process as usual
-    timer.lap()
-    if loop["final"] is None:
-        with timer.phase("evaluation"):
-            loop["final"] = evaluate(num_iterations, "final")
-    if num_iterations not in run.steps():
-        with timer.phase("checkpoint"):
-            save(num_iterations, wait=True)
-    # After the last save: the summary has these, the checkpoint does not.
-    final = timer.lap()
-    _add_seconds(loop["other_seconds"], {"final_evaluation": final["time/evaluation_s"],
-                                         "final_checkpoint": final["time/checkpoint_s"],
-                                         "final_compile": final["time/compile_s"],
-                                         "final_compile_background":
-                                             final["time/compile_background_s"]})
-    loop["compile_seconds"] = _sum_seconds(compiled_before, timer.compile_by_phase())
-    return _finish(config, workdir, run, task, graphdef, state, loop, reward_names)
+                self.save(self.num_iterations, wait=True)
+        # After the last save: the summary has these, the checkpoint does not.
+        final = timer.lap()
+        _add_seconds(loop["other_seconds"], {
+            "final_evaluation": final["time/evaluation_s"],
+            "final_checkpoint": final["time/checkpoint_s"],
+            "final_compile": final["time/compile_s"],
+            "final_compile_background": final["time/compile_background_s"]})
+        loop["compile_seconds"] = _sum_seconds(self._compiled_before, timer.compile_by_phase())
+        return _finish(self.config, self.workdir, self.run, self.task, self.graphdef,
+                       self.state, loop, self.reward_names)
+
+
+def _train(config, workdir: str, mesh, rules, run, cleanup: contextlib.ExitStack) -> dict:
+    """The loop: each iteration's four stages, then its record, the preemption check and the
+    periodic checkpoint; the session (`_Session`) owns everything around them."""
+    session = _Session(config, workdir, mesh, rules, run, cleanup)
+    stages = session.stages
+    # Each row's time/* columns cover the wall time since the previous row's (the loop's start
+    # for the first): the iteration's phases, and the previous iteration's checkpoint save.
+    for it in session.bar:
+        tick = time.perf_counter()
+        batch = stages.data()
+        finals, transitions = stages.sample(session.state, batch.cond, session.key, it)
+        scores = stages.reward(finals, batch)
+        train_batch, stats = stages.advantages(scores, transitions)
+        session.state, metrics, summary = stages.update(session.state, train_batch, batch.cond)
+        session.record(it, tick, batch, finals, scores, train_batch, stats, metrics, summary)
+        if it + 1 == session.num_iterations:
+            break   # the final evaluation and save follow
+        preempted = session.preempted(it + 1)
+        if preempted:
+            return preempted
+        session.checkpoint_if_due(it + 1)
+    return session.finish()
 
 
 def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> dict:

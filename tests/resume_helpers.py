@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 
-from g2rpo_jax import checkpoint
+from g2rpo_jax.run import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Columns of metrics.jsonl that measure wall time, not the computation (and every time/*

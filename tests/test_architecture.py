@@ -10,12 +10,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "g2rpo_jax"
 
 # docs/architecture.md, "What may import what".
 LAYERS = {
-    "storage": 0, "dtypes": 0, "parallel": 0,
+    "core": 0, "parallel": 0,
     "models": 1, "sampling": 1,
     "rl": 2, "data": 2,
-    "rewards": 3, "wandb_logger": 3,
-    "config_lib": 4, "optimizer": 4, "metrics": 4, "checkpoint": 4, "preemption": 4,
-    "generator": 4, "held_out": 4,
+    "rewards": 3,
+    "run": 4,
     "tasks": 5,
     "train": 6, "pretrain": 6, "evaluate": 6, "preprocess": 6, "convert": 6, "export": 6,
     "main": 7,
@@ -72,7 +71,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
     """Positive control: a models/ file that imports the RL code is reported."""
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "x.py").write_text("from g2rpo_jax.rl import loss\n"
-                                              "import g2rpo_jax.dtypes\n")
+                                              "import g2rpo_jax.core.dtypes\n")
     assert _violations(tmp_path) == ["models/x.py (layer 1) imports rl (layer 2)"]
 
 
@@ -83,3 +82,14 @@ def test_math_folders_do_no_io_or_placement(folder):
         text = path.read_text(encoding="utf-8")
         for forbidden in ("device_put", "make_mesh", "open(", "storage"):
             assert forbidden not in text, f"{path.name} uses {forbidden}"
+
+
+# docs/architecture.md, "Folders and modules": the package's top level holds the programs (each
+# runs as `python -m g2rpo_jax.<name>`); everything else lives in a folder named for its job.
+PROGRAMS = {"main", "train", "pretrain", "evaluate", "preprocess", "convert", "export"}
+
+
+def test_the_top_level_holds_only_programs():
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert top == PROGRAMS
+    assert {unit for unit, layer in LAYERS.items() if layer >= 6} == PROGRAMS

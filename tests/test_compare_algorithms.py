@@ -1,4 +1,4 @@
-"""benchmarks/compare_algorithms.py's bookkeeping: the equal-calls budget, the paired differences
+"""benchmarks/learning/compare_algorithms.py's bookkeeping: the equal-calls budget, the paired differences
 and the report, on hand-made records (the sweep itself is a benchmark, not a test)."""
 
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+                                "benchmarks", "learning"))
 import compare_algorithms  # noqa: E402
 
 CONFIG = "configs/shapes_cpu.py"
@@ -73,7 +73,7 @@ def test_report_and_plot(tmp_path):
     records = [_record(m, s, 0.3 + 0.01 * s + 0.02 * i)
                for i, m in enumerate(("g2rpo", "g2rpo_lambda12", "dance_grpo"))
                for s in range(3)]
-    text = compare_algorithms.report(records, "python benchmarks/compare_algorithms.py")
+    text = compare_algorithms.report(records, "python benchmarks/learning/compare_algorithms.py")
     assert "| g2rpo | 3 | 16 |" in text
     # dance − g2rpo is +0.04 on every seed: mean +0.040, zero spread.
     assert "+0.040 ± 0.000" in text

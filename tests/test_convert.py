@@ -179,7 +179,7 @@ def test_command_line(tmp_path):
 
 _GS_SCRIPT = """
 import sys
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 from g2rpo_jax.models import torch_checkpoints, weights
 from g2rpo_jax.tasks.flux import RewardModels
 import ml_collections

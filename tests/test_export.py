@@ -20,10 +20,11 @@ import pytest
 from safetensors.torch import load_file
 import torch
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, export, parallel
+from g2rpo_jax import export, parallel
 from g2rpo_jax.models import flux, flux_weights, lora, safetensors_io
 from g2rpo_jax.rl import policy_update
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import config_lib
 from g2rpo_jax.testing import flux_fixture
 from g2rpo_jax.testing import flux_reference as ref
 

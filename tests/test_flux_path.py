@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, evaluate, export, metrics, parallel, preprocess, train
+from g2rpo_jax import evaluate, export, parallel, preprocess, train
 from g2rpo_jax.data import embedding_dataset
 from g2rpo_jax.models import clip_text, flux_weights, t5
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import config_lib, metrics
 from g2rpo_jax.testing import flux_fixture, flux_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

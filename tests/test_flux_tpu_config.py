@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from g2rpo_jax import config_lib
-from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax.rl import algorithms, policy_update
+from g2rpo_jax.rl import optimizer as optimizer_lib
+from g2rpo_jax.run import config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = ("g2rpo", "g2rpo_no_mgai", "dance_grpo", "flow_grpo", "mix_grpo")

@@ -71,7 +71,7 @@ def _download(gcs, name: str) -> bytes:
 
 
 def _upload_tree(gcs, local_dir: str, prefix: str, tmp_path) -> None:
-    script = ("import sys; from g2rpo_jax import storage; "
+    script = ("import sys; from g2rpo_jax.core import storage; "
               "storage.upload_tree(sys.argv[1], sys.argv[2])")
     result = _run(["-c", script, local_dir, f"gs://{gcs.bucket}/{prefix}"], gcs, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_missing_bucket_unreachable_endpoint_and_missing_weights_are_named(gcs, 
 
 def test_aot_report_is_written_to_the_bucket(gcs, tmp_path):
     out = f"gs://{gcs.bucket}/aot/tpu_aot_cpu.json"
-    result = _run([os.path.join("benchmarks", "tpu_aot.py"), "--topology=cpu",
+    result = _run([os.path.join("benchmarks", "perf", "tpu_aot.py"), "--topology=cpu",
                    "--config=configs/flux_tiny.py", "--pieces=forward", f"--out={out}"],
                   gcs, tmp_path, devices=8, timeout=600, JAX_PLATFORMS="cpu")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -11,7 +11,8 @@ import pytest
 import resume_helpers as rh
 from test_resume import shapes_flags
 
-from g2rpo_jax import checkpoint, parallel
+from g2rpo_jax import parallel
+from g2rpo_jax.run import checkpoint
 
 # Float columns that sum over the batch: the two layouts reduce in another order.
 _ATOL, _RTOL = 1e-6, 1e-4

@@ -15,7 +15,8 @@ import resume_helpers as rh
 from test_flux_path import tiny_config
 from test_multihost import _ATOL, _RTOL, _assert_ok, _assert_same_rows, _by_step
 
-from g2rpo_jax import checkpoint, preprocess
+from g2rpo_jax import preprocess
+from g2rpo_jax.run import checkpoint
 from g2rpo_jax.testing import flux_fixture
 
 # Rows after the first update: Adam divides each gradient by its own root mean square, so the

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from g2rpo_jax import config_lib, parallel, pretrain
-from g2rpo_jax import generator as generator_lib
-from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax import parallel, pretrain
 from g2rpo_jax.data import world
+from g2rpo_jax.rl import optimizer as optimizer_lib
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.tasks import generator as generator_lib
 
 
 @pytest.mark.parametrize("step, want", [(0, 0.1), (90, 0.91), (990, 0.991), (10**6, 0.999)])

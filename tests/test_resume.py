@@ -16,12 +16,14 @@ import optax
 import pytest
 import resume_helpers as rh
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, evaluate, generator, parallel, tasks, train
-from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax import evaluate, parallel, tasks, train
 from g2rpo_jax.models import flux
 from g2rpo_jax.rl import algorithms, policy_update
+from g2rpo_jax.rl import optimizer as optimizer_lib
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import config_lib
 from g2rpo_jax.sampling import schedules
+from g2rpo_jax.tasks import generator
 from g2rpo_jax.tasks import shapes as shapes_task
 from g2rpo_jax.testing import tiny_rl
 

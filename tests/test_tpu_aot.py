@@ -1,4 +1,4 @@
-"""benchmarks/tpu_aot.py: its flop model against XLA's own count, its pieces on the local CPU
+"""benchmarks/perf/tpu_aot.py: its flop model against XLA's own count, its pieces on the local CPU
 devices with a tiny config, and its error without libtpu."""
 
 import functools
@@ -16,7 +16,7 @@ import pytest
 from g2rpo_jax.models import flops, flux
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "tpu_aot.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "perf", "tpu_aot.py")
 
 
 @functools.cache
@@ -100,11 +100,11 @@ def test_pieces_compile_on_cpu_devices(tmp_path):
 
 
 def test_without_libtpu_the_error_names_the_install_command():
-    # libtpu belongs in a separate environment (benchmarks/tpu_aot.py's docstring), never in
+    # libtpu belongs in a separate environment (benchmarks/perf/tpu_aot.py's docstring), never in
     # the test one: the default install and CI stay CPU-only.
     assert importlib.util.find_spec("libtpu") is None, (
         "libtpu is installed in the test environment; install it in a separate venv "
-        "(python -m venv --system-site-packages ~/tpuenv) as benchmarks/tpu_aot.py says.")
+        "(python -m venv --system-site-packages ~/tpuenv) as benchmarks/perf/tpu_aot.py says.")
     result = _run("--topology=v5p:2x2x2", "--pieces=forward")
     assert result.returncode != 0
     assert 'pip install "jax[tpu]==' in result.stderr

@@ -12,12 +12,14 @@ from PIL import Image
 import pytest
 import resume_helpers
 
-from g2rpo_jax import checkpoint as checkpoint_lib
-from g2rpo_jax import config_lib, generator, held_out, parallel, pretrain, train
-from g2rpo_jax import metrics as metrics_lib
+from g2rpo_jax import parallel, pretrain, train
 from g2rpo_jax.data import world
 from g2rpo_jax.models import state_io
 from g2rpo_jax.rl import algorithms
+from g2rpo_jax.run import checkpoint as checkpoint_lib
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.run import metrics as metrics_lib
+from g2rpo_jax.tasks import generator, held_out
 
 
 def short_rl_config(data_dir, algorithm="g2rpo", iterations=2):

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import example_serializer
 
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 
 BUILDER_NAME = "prompt_embeddings"
 VERSION = "1.0.0"

@@ -14,7 +14,7 @@ deterministic for a given chunk size and device layout (fixed chunk shapes, one 
 records are serialized with sorted fields. Another device layout may change the last bits of a
 few values.
 
-Every path may be a gs:// URL (g2rpo_jax.storage). With a gs:// data_dir the chunks are objects
+Every path may be a gs:// URL (g2rpo_jax.core.storage). With a gs:// data_dir the chunks are objects
 there, process 0 assembles the dataset in the download cache (`storage.mirror`) and uploads it,
 `dataset_info.json` last (so a dataset cut short is never taken as complete), and readers use
 their local copy (`storage.local`); gs:// encoders are downloaded once into that cache.
@@ -38,7 +38,7 @@ import jax
 import numpy as np
 import tqdm
 
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 from g2rpo_jax.data import embedding_dataset, prompts_file, text_encoders, tfds_dirs
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Prompts files (HPDv2 style: one prompt per line), as the FLUX path reads them."""
 
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 
 
 def read_prompts(path: str, max_prompts: int = 0) -> list[str]:

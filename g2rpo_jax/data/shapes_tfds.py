@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 from g2rpo_jax.data import tfds_dirs, world
 
 VERSION = "1.0.0"

@@ -11,7 +11,8 @@ from flax import nnx
 import jax
 import numpy as np
 
-from g2rpo_jax import parallel, storage
+from g2rpo_jax import parallel
+from g2rpo_jax.core import storage
 from g2rpo_jax.models import clip_text, t5, t5_weights
 
 # The subfolders of a FLUX.1 repo that hold its text encoders and their tokenizers.
@@ -70,7 +71,7 @@ def encoder_devices() -> list:
     Once jax.distributed is initialised, XLA:CPU runs every collective through gloo, even
     between two devices of one process, and gloo there can pair a collective of one program
     with one of the next (aborting with "Received data size doesn't match expected size";
-    `benchmarks/two_process_preprocess.py` counts such runs). One device needs no collective;
+    `benchmarks/investigations/two_process_preprocess.py` counts such runs). One device needs no collective;
     TPU and GPU keep the sharded encoders.
     """
     if jax.process_count() > 1 and jax.default_backend() == "cpu":

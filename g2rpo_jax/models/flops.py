@@ -1,5 +1,5 @@
 """FLOPs of the FLUX transformer counted from its shapes: the one counter for utilisation (MFU)
-and time-at-peak figures (benchmarks/tpu_aot.py and others).
+and time-at-peak figures (benchmarks/perf/tpu_aot.py and others).
 
 Counted: every matmul, 2·m·n·k FLOPs (one multiply-add = 2), and attention's two batched
 matmuls, Q·Kᵀ and P·V (2·S·S_kv·D each, per head summed: 4·S²·D per block for hidden size D).

@@ -21,7 +21,7 @@ from flax import nnx
 import jax
 import numpy as np
 
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 from g2rpo_jax.models.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from g2rpo_jax.models.weights import CheckpointMismatchError
 

@@ -8,7 +8,7 @@ pytorch_model.bin) are converted once, ahead of time, by `python -m g2rpo_jax.co
 the one place that needs torch. A loader given the pickle reads its converted file
 (`converted_path`, beside it) if it is there, so a config may keep naming the published file;
 otherwise it stops with `NeedsConversionError`, which names the command. SRC and DST may be
-gs:// URLs (`g2rpo_jax.storage`).
+gs:// URLs (`g2rpo_jax.core.storage`).
 """
 
 from collections.abc import Mapping
@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-from g2rpo_jax import storage
+from g2rpo_jax.core import storage
 from g2rpo_jax.models.safetensors_io import write_safetensors
 
 # File suffixes of PyTorch pickles (what `convert_torch_checkpoint` reads).

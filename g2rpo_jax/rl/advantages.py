@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from g2rpo_jax.dtypes import at_least_float32
+from g2rpo_jax.core.dtypes import at_least_float32
 
 __all__ = ["group_advantages", "integrate_advantages", "scale_weights"]
 

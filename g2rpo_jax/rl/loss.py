@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from g2rpo_jax.dtypes import at_least_float32
+from g2rpo_jax.core.dtypes import at_least_float32
 
 __all__ = ["gaussian_kl", "grpo_clip_loss", "grpo_loss"]
 

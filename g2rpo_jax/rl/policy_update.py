@@ -114,7 +114,7 @@ def abstract_state(params, optimizer: optax.GradientTransformation, keep_referen
     """The TrainState's shapes, dtypes and shardings (`jax.ShapeDtypeStruct` leaves), nothing
     allocated: the layout `init_state` creates, and the target a checkpoint is restored into.
     The moments are laid out like the parameters explicitly: left to jit they come back on one
-    device and are then replicated (89 GiB per chip for FLUX.1-dev; benchmarks/tpu_aot.py).
+    device and are then replicated (89 GiB per chip for FLUX.1-dev; benchmarks/perf/tpu_aot.py).
     `settings.offload_*` put the moments / the KL reference in pinned host memory."""
     param_shardings = jax.tree.map(lambda a: a.sharding, params)
     opt_shapes = jax.eval_shape(optimizer.init, params)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rpo_jax.dtypes import at_least_float32
+from g2rpo_jax.core.dtypes import at_least_float32
 
 __all__ = [
     "flux_dev_sigmas",

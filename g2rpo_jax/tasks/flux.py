@@ -24,12 +24,15 @@ import os
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, held_out, parallel, storage
+from g2rpo_jax import parallel
 from g2rpo_jax import rewards as rewards_lib
+from g2rpo_jax.core import storage
 from g2rpo_jax.data import embedding_dataset, embedding_preparation, tfds_dirs
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.models import autoencoder as autoencoder_lib
 from g2rpo_jax.models import autoencoder_weights, flux, flux_weights, lora, torch_checkpoints
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.tasks import held_out
 from g2rpo_jax.tasks.base import Batch
 
 REQUIRED_SECTIONS = ("autoencoder", "text", "image", "data", "reward", "train", "evaluation")

@@ -9,11 +9,13 @@ import os
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, held_out, parallel
-from g2rpo_jax import generator as generator_lib
+from g2rpo_jax import parallel
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.models import lora
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.tasks import generator as generator_lib
+from g2rpo_jax.tasks import held_out
 from g2rpo_jax.tasks.base import Batch
 
 

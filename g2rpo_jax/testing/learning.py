@@ -5,8 +5,8 @@ prompts, starting noise and SDE noise every iteration (the library's own rollout
 update programs, as `train.py` calls them), and returns the batch's mean training reward before
 the first update and after each. Overfitting one batch is the fastest learning the embedded world
 shows: with fresh noise every iteration a gradient from 8 prompts is nearly all noise
-(`benchmarks/gradient_consistency.py`: same-prompt cosine about 0), with fixed noise the reward
-climbs within a few updates. The controls that `benchmarks/learning_signal.py` measures
+(`benchmarks/learning/gradient_consistency.py`: same-prompt cosine about 0), with fixed noise the reward
+climbs within a few updates. The controls that `benchmarks/learning/learning_signal.py` measures
 and the test's margin is set from: `reward_scale` multiplies the rewards before the advantages
 (−1 flips the objective, 0 removes it), and `shuffle_rewards` permutes each prompt's rewards
 among its samples every iteration (updates of the same size that carry no signal: the gain's
@@ -17,10 +17,12 @@ from flax import nnx
 import jax
 import numpy as np
 
-from g2rpo_jax import config_lib, generator, held_out, parallel
-from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax import parallel
 from g2rpo_jax.data import world
 from g2rpo_jax.rl import algorithms, iteration, policy_update
+from g2rpo_jax.rl import optimizer as optimizer_lib
+from g2rpo_jax.run import config_lib
+from g2rpo_jax.tasks import generator, held_out
 from g2rpo_jax.tasks import shapes as shapes_task
 
 # 8 training prompts, evenly spaced over the sorted train split (count and relation prompts).

@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from g2rpo_jax import config_lib, parallel
-from g2rpo_jax import optimizer as optimizer_lib
+from g2rpo_jax import parallel
 from g2rpo_jax.models import flux
 from g2rpo_jax.rewards import synthetic
 from g2rpo_jax.rl import iteration, policy_update
+from g2rpo_jax.rl import optimizer as optimizer_lib
+from g2rpo_jax.run import config_lib
 
 # hidden 32 (4 heads of 8), 1+1 blocks, 4 latent channels: an iteration compiles in seconds.
 TINY_FLUX = flux.FluxConfig(num_layers=1, num_single_layers=1, attention_head_dim=8,

@@ -167,7 +167,7 @@ def test_two_processes_prepare_what_one_does(tmp_path):
 
     Chunks of one prompt make 20 encoder calls per process: many programs in a row, where gloo
     mismatched the collectives of encoders sharded over both CPU devices
-    (`text_encoders.encoder_devices`; benchmarks/two_process_preprocess.py counts such runs)."""
+    (`text_encoders.encoder_devices`; benchmarks/investigations/two_process_preprocess.py counts such runs)."""
     import os
     import socket
     import subprocess

@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from g2rpo_jax import config_lib
 from g2rpo_jax.data import reader as reader_lib
 from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.rewards import verifier
+from g2rpo_jax.run import config_lib
 
 SETTINGS = shapes_tfds.ShapesConfig(images_per_prompt=2, render_seed=3)
 

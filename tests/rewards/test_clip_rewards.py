@@ -714,7 +714,7 @@ def test_remote_reward_validates_retry_options(option, value):
 def test_remote_reward_retry_options_through_the_config(server):
     import ml_collections
 
-    from g2rpo_jax import config_lib
+    from g2rpo_jax.run import config_lib
     from g2rpo_jax.tasks.flux import RewardModels
 
     url = _unique(server, "/flaky", fail=1, how=503)

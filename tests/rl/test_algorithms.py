@@ -77,8 +77,8 @@ def test_forward_pass_counts_match_method_cost_paragraph():
 
 @pytest.mark.parametrize("name", list(algorithms.PRESETS))
 def test_config_files_select_algorithms_by_argument(name):
-    from g2rpo_jax import config_lib
     from g2rpo_jax.rl import policy_update
+    from g2rpo_jax.run import config_lib
 
     config = config_lib.load_config("flux_tiny.py", name)
     algo = algorithms.Algorithm.from_config(config.algorithm)

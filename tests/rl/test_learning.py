@@ -2,7 +2,7 @@
 world (8 training prompts, the same noise every iteration, 8 updates; `testing.learning`), for
 G²RPO and DanceGRPO.
 
-The margins come from `python benchmarks/learning_signal.py` (results in
+The margins come from `python benchmarks/learning/learning_signal.py` (results in
 benchmarks/results/learning_signal.json and docs/results.md, "Does it learn?"): over 5 seeds the
 gain is well above each margin, while the flipped objective (what a flipped gradient sign does)
 lowers the reward and zeroed advantages leave the parameters, and so the reward, unchanged.

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from g2rpo_jax import optimizer as optimizer_lib
 from g2rpo_jax import parallel
 from g2rpo_jax.models import flux
 from g2rpo_jax.rewards import synthetic
 from g2rpo_jax.rl import algorithms, iteration, policy_update
+from g2rpo_jax.rl import optimizer as optimizer_lib
 from g2rpo_jax.sampling import rollout, schedules
 from g2rpo_jax.testing import tiny_rl
 
