@@ -112,6 +112,9 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
                   seconds=round(time.perf_counter() - start, 2))
     if evaluation.counts:   # the embedded world's object counts over all the images
         report["object_counts"] = evaluation.totals()
+    categories = evaluation.by_category()
+    if categories:   # GenEval's layout: the overall mean, then each category
+        report["categories"] = categories
     output = output or _default_output(checkpoint, step_dir)
     if jax.process_index() == 0:
         storage.write_json(output, report)
@@ -122,6 +125,8 @@ def evaluate(config, checkpoint: str, mesh, rules, output: str = "") -> dict:
                  else os.path.basename(os.path.normpath(checkpoint)))
         print(f"{len(evaluator.prompts)} held-out prompts × {evaluator.samples} sample(s), "
               f"trained on {', '.join(trained_on)}:\n{format_table(report, label)}\n"
+              + ("\n".join(held_out.category_table(
+                  [(label, evaluation.means(), categories)])) + "\n" if categories else "")
               + "".join(f"{name.replace('_', ' ')}: {total}\n"
                         for name, total in report.get("object_counts", {}).items())
               + f"written to {output}", flush=True)

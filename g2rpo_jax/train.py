@@ -64,7 +64,7 @@ def _fresh_loop_state() -> dict:
             "session_starts": [], "phase_seconds": [], "compile_seconds": {},
             "other_seconds": {},
             "skipped_steps": 0, "consecutive_skips": 0, "evaluations": [], "warnings": [],
-            "counts": []}
+            "counts": [], "categories": []}
 
 
 def _sum_seconds(*parts: dict) -> dict:
@@ -370,7 +370,7 @@ class _Session:
         # A checkpoint written before the loop timed its phases: those iterations have none.
         loop.setdefault("phase_seconds", [{} for _ in loop["iteration_seconds"]])
         for name, empty in (("compile_seconds", {}), ("other_seconds", {}), ("evaluations", []),
-                            ("warnings", []), ("counts", [])):
+                            ("warnings", []), ("counts", []), ("categories", [])):
             loop.setdefault(name, empty)
         self.loop = loop
         logging.info("Resuming %s from iteration %d (%s).", self.workdir, start_iteration,
@@ -427,10 +427,15 @@ class _Session:
                 with storage.open_atomic(os.path.join(self.images_dir, f"{name}.png")) as f:
                     grid.save(f, format="PNG")
         counts = evaluation.totals()
-        logger.write(iteration, {f"eval/{k}": v for k, v in {**scores, **counts}.items()})
+        categories = evaluation.by_category()
+        logger.write(iteration, {**{f"eval/{k}": v for k, v in {**scores, **counts}.items()},
+                                 **{f"eval/{name}/{c}": v for c, by_score in categories.items()
+                                    if by_score for name, v in by_score.items()}})
         loop["evaluations"].append([iteration, scores])
         if counts:
             loop["counts"].append([iteration, counts])
+        if categories:
+            loop["categories"].append([iteration, categories])
         for line in metrics_lib.hacking_warnings(
                 loop["evaluations"], self.task.in_domain,
                 [k for k in self.task.score_names if k not in self.task.in_domain],
@@ -578,6 +583,9 @@ def _finish(config, workdir, run, task, graphdef, state, loop, reward_names) -> 
               "timing": _timing(loop)}
     if loop["counts"]:   # the embedded world's object counts, base and final evaluation
         report["object_counts"] = {"base": loop["counts"][0][1], "final": loop["counts"][-1][1]}
+    if loop["categories"]:   # per-category held-out scores, base and final evaluation
+        report["categories"] = {"base": loop["categories"][0][1],
+                                "final": loop["categories"][-1][1]}
     if jax.process_index() == 0:
         policy = nnx.merge(graphdef, state.policy_params())
         if state.frozen is not None:   # LoRA: the adapters alone, then folded into the base
@@ -628,6 +636,10 @@ def summary_markdown(report: dict, workdir: str, outputs) -> str:
     lines = [f"# {report['algorithm']}, seed {report['seed']}: {report['iterations']} "
              f"iterations in {report['seconds']:.0f} s", "",
              *_change_table("held-out score", report["base"], report["final"], ".4f")]
+    if report.get("categories"):
+        lines += ["", *held_out.category_table(
+            [("base", report["base"], report["categories"]["base"]),
+             ("final", report["final"], report["categories"]["final"])])]
     counts = report.get("object_counts")
     if counts:
         lines += ["", *_change_table("held-out objects (all images)", counts["base"],

@@ -116,6 +116,27 @@ def test_short_run_writes_summary_metrics_images_and_checkpoint(g2rpo_run):
     assert counts["final"]["unrecognised_objects"] == eval_rows[-1]["eval/unrecognised_objects"]
     base, final = counts["base"]["objects"], counts["final"]["objects"]
     assert f"| objects | {base} | {final} | {final - base:+d} |" in markdown
+    # Per GenEval category: every category in GenEval's order, those of the held-out prompts
+    # with the mean over their prompts (one sample each), the others without prompts.
+    prompts = held_out.held_out_prompts(config)
+    categories = summary["categories"]
+    assert list(categories["final"]) == list(world.GENEVAL_CATEGORIES)
+    present = {world.category(p) for p in prompts}   # the short config's few prompts
+    assert present and present <= {"colors", "counting", "position"}
+    for name in present:
+        assert eval_rows[-1][f"eval/in_domain/{name}"] == pytest.approx(
+            categories["final"][name]["in_domain"])
+    assert all(categories[part][c] is None for part in ("base", "final")
+               for c in set(world.GENEVAL_CATEGORIES) - present)
+    # The overall score is the prompt-weighted mean of the categories'.
+    overall = sum(categories["final"][c]["in_domain"] * np.mean(
+        [world.category(p) == c for p in prompts]) for c in present)
+    assert overall == pytest.approx(summary["final"]["in_domain"], rel=1e-5)
+    values = " | ".join("—" if categories["base"][c] is None
+                        else f"{categories['base'][c]['in_domain']:.4f}"
+                        for c in world.GENEVAL_CATEGORIES)
+    assert (f"| in_domain (base) | {summary['base']['in_domain']:.4f} | {values} |"
+            in markdown)
 
 
 def test_tensorboard_shows_samples_distributions_config_and_timings(g2rpo_run):

@@ -231,6 +231,23 @@ def parse_prompt(prompt: str) -> Constraints:
     return Constraints((ObjectSpec(count, colour, shape, size),))
 
 
+# GenEval's six categories (Ghosh et al., 2023), in its report order. This world's grammar has
+# prompts of three of them: `category` names which.
+GENEVAL_CATEGORIES = ("single_object", "two_object", "counting", "colors", "position",
+                      "color_attr")
+
+
+def category(prompt: str) -> str:
+    """The GenEval category of a prompt: "position" for a relation ("a red circle left of a
+    blue square"), "counting" for two or three objects ("two red circles"), "colors" for one
+    object of a named colour, with or without a size ("a red circle", "a large blue square":
+    GenEval has no size category, and its colour prompts are one object of a named colour)."""
+    constraints = parse_prompt(prompt)
+    if constraints.relation is not None:
+        return "position"
+    return "counting" if constraints.num_objects > 1 else "colors"
+
+
 # ---------------------------------------------------------------------------------------------
 # Splits
 # ---------------------------------------------------------------------------------------------

@@ -70,11 +70,16 @@ class Evaluation:
     per_image: {name: float32 [P, M]} for every scorer, in report order.
     first_images: [K, M, H, W, 3] in [0, 1], the samples of the first K prompts (for grids).
     counts: {name: int32 [P, M]} from the evaluator's `counts_fn` (empty without one).
+    categories: each prompt's category [P] from the evaluator's `category_fn` (empty without
+      one); category_names: the categories to report, in report order (GenEval's six for the
+      embedded world, some without prompts).
     """
 
     per_image: dict[str, np.ndarray]
     first_images: np.ndarray
     counts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    categories: tuple[str, ...] = ()
+    category_names: tuple[str, ...] = ()
 
     def means(self) -> dict[str, float]:
         """Mean of each score over prompts and samples, in report order."""
@@ -83,6 +88,18 @@ class Evaluation:
     def totals(self) -> dict[str, int]:
         """Each count summed over prompts and samples."""
         return {name: int(values.sum()) for name, values in self.counts.items()}
+
+    def by_category(self) -> dict[str, dict[str, float] | None]:
+        """{category: {score: mean over its prompts and samples}, or None where no prompt has
+        the category}, for `category_names` in order (then any other category of the
+        prompts); empty without categories."""
+        if not self.categories:
+            return {}
+        labels = np.asarray(self.categories)
+        return {c: ({name: float(values[labels == c].mean())
+                     for name, values in self.per_image.items()} if c in self.categories
+                    else None)
+                for c in dict.fromkeys((*self.category_names, *self.categories))}
 
 
 class Evaluator:
@@ -104,14 +121,21 @@ class Evaluator:
       counts_fn: `counts_fn(images [P, M, H, W, 3], prompts) -> {name: int [P, M]}`, counts
         kept beside the scores (Evaluation.counts); default: the embedded world's object
         counts (`count_objects`) when `score_fn` is its default too, else none.
+      category_fn: `category_fn(prompt) -> str`, each prompt's category for the per-category
+        scores (Evaluation.by_category); default: the embedded world's GenEval category
+        (`world.category`) when `score_fn` is its default too, else none.
     """
 
     def __init__(self, config, generator, prompts: Sequence[str], mesh,
                  scorers: Sequence[str] = SCORES, *, cond: dict | None = None, score_fn=None,
-                 counts_fn=None):
+                 counts_fn=None, category_fn=None):
         self.generator, self.mesh, self.scorers = generator, mesh, tuple(scorers)
         self.prompts = list(prompts)
         self.counts_fn = counts_fn or (count_objects if score_fn is None else None)
+        default_categories = score_fn is None and category_fn is None
+        category_fn = category_fn or (world.category if score_fn is None else None)
+        self.categories = tuple(map(category_fn, self.prompts)) if category_fn else ()
+        self.category_names = world.GENEVAL_CATEGORIES if default_categories else ()
         if score_fn is None:
             unknown = set(scorers) - set(SCORES)
             if unknown:
@@ -196,7 +220,7 @@ class Evaluator:
                                                  rows)[:len(self.prompts)]
                       for name, values in local.items()}
         return Evaluation(per_image, _first_rows(images, self._rows, self.kept, self.mesh, rows),
-                          counts)
+                          counts, self.categories, self.category_names)
 
     def scores(self, params, text_encoder=None) -> dict[str, float]:
         """Mean of each score over prompts and samples, in `scorers` order."""
@@ -239,6 +263,22 @@ def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[s
         out["out_of_domain"] = np.asarray(judge(jnp.asarray(flat), jnp.asarray(np.repeat(ids, m))),
                                           np.float32)
     return {name: values.reshape(p, m) for name, values in out.items()}
+
+
+def category_table(evaluations) -> list[str]:
+    """Markdown in GenEval's layout: a row per score and evaluation, the overall mean, then a
+    column per category ("—" where it has no prompts). `evaluations`: (label, {score: overall
+    mean}, Evaluation.by_category()) triples, all with the same categories."""
+    names = list(evaluations[0][2])
+    lines = ["| held-out score | overall | " + " | ".join(names) + " |",
+             "|---|" + "---:|" * (len(names) + 1)]
+    for score in evaluations[0][1]:
+        for label, overall, by_category in evaluations:
+            cells = [f"{by_category[c][score]:.4f}" if by_category.get(c) else "—"
+                     for c in names]
+            lines.append(f"| {score} ({label}) | {overall[score]:.4f} | " + " | ".join(cells)
+                         + " |")
+    return lines
 
 
 def count_objects(images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:

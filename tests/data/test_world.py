@@ -365,3 +365,25 @@ def test_placement_grid_puts_every_box_on_the_lattice():
 def test_placement_grid_must_be_positive():
     with pytest.raises(ValueError, match="grid must be at least 1"):
         world.sample_scene("a red circle", np.random.default_rng(0), grid=0)
+
+
+@pytest.mark.parametrize("prompt, category", [
+    ("a red circle", "colors"),
+    ("a large blue square", "colors"),
+    ("two red circles", "counting"),
+    ("three small white triangles", "counting"),
+    ("a blue square left of a yellow triangle", "position"),
+    ("a red circle below a red square", "position"),
+])
+def test_prompts_fall_in_genevals_categories(prompt, category):
+    assert world.category(prompt) == category
+    assert category in world.GENEVAL_CATEGORIES
+
+
+def test_every_prompt_has_one_of_three_categories():
+    counts = {}
+    for prompt in world.all_prompts():
+        counts[world.category(prompt)] = counts.get(world.category(prompt), 0) + 1
+    # 45 one-object and 90 two- or three-object count prompts, 840 relation prompts
+    # (the module docstring's arithmetic).
+    assert counts == {"colors": 45, "counting": 90, "position": 840}
