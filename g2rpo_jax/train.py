@@ -334,6 +334,8 @@ class _Session:
         cleanup.callback(self.logger.close)
         if not self.resumed:
             self.logger.text(0, "config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
+        # The held-out score the progress bar shows (the task's first).
+        self.progress_score = self.task.score_names[0] if self.task.score_names else None
         self.images_dir = os.path.join(workdir, "images")
         storage.makedirs(self.images_dir)
         evaluator = self.task.evaluator
@@ -488,12 +490,11 @@ class _Session:
                                                self.timer.compile_by_phase())
         row.update(times)
         logger.write(it + 1, row)
-        score = self.task.score_names[0] if self.task.score_names else None
         self.bar.set_postfix({
             "reward": f"{reward_mean[0]:.3f}",
             "ratio": f"[{summary['ratio_min']:.3f},{summary['ratio_max']:.3f}]",
             "clip": f"{summary['clip_fraction']:.2f}", "skipped": loop["skipped_steps"],
-            "held_out": f"{loop['latest'].get(score, float('nan')):.3f}"})
+            "held_out": f"{loop['latest'].get(self.progress_score, float('nan')):.3f}"})
 
     def preempted(self, iteration: int) -> dict | None:
         """After a SIGTERM (agreed across processes): saves `iteration`, waiting for the save,

@@ -36,12 +36,15 @@ def metrics_rows(workdir: str) -> list[dict]:
     return rows
 
 
-def checkpoint_arrays(workdir: str, iteration: int) -> list:
-    import jax
-    import orbax.checkpoint as ocp
-    tree = ocp.StandardCheckpointer().restore(
-        os.path.join(os.path.abspath(workdir), "checkpoints", str(iteration), "state"))
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
+def checkpoint_arrays(workdir: str, iteration: int) -> dict:
+    """{path: numpy array} of the checkpoint's `state` item (`checkpoint.read_arrays`)."""
+    from g2rpo_jax.run import checkpoint
+    return checkpoint.read_arrays(os.path.join(os.path.abspath(workdir), "checkpoints",
+                                               str(iteration)))
+
+
+def same_array(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
 def file_bytes(workdir: str, name: str) -> bytes | None:
@@ -68,10 +71,9 @@ def main() -> None:
                    [i for i, (x, y) in enumerate(zip(ra, rb)) if x != y][:5]))
     iteration = a.get("iterations")
     la, lb = checkpoint_arrays(args.before, iteration), checkpoint_arrays(args.after, iteration)
-    differing = [jax_path for (jax_path, x), (other, y) in zip(la, lb)
-                 if jax_path != other or not np.array_equal(np.asarray(x), np.asarray(y))]
-    checks.append((f"checkpoints/{iteration} arrays ({len(la)})",
-                   len(la) == len(lb) and not differing, differing[:5]))
+    differing = sorted(k for k in la.keys() | lb.keys()
+                       if k not in la or k not in lb or not same_array(la[k], lb[k]))
+    checks.append((f"checkpoints/{iteration} arrays ({len(la)})", not differing, differing[:5]))
     for name, equal, where in checks:
         print(f"{'equal' if equal else 'DIFFERENT':>9}  {name}" + (f": {where}" if where else ""))
     sys.exit(0 if all(equal for _, equal, _ in checks) else 1)

@@ -132,10 +132,10 @@ class Evaluator:
         self.generator, self.mesh, self.scorers = generator, mesh, tuple(scorers)
         self.prompts = list(prompts)
         self.counts_fn = counts_fn or (count_objects if score_fn is None else None)
-        default_categories = score_fn is None and category_fn is None
-        category_fn = category_fn or (world.category if score_fn is None else None)
+        self.category_names = ()
+        if category_fn is None and score_fn is None:   # the embedded world's
+            category_fn, self.category_names = world.category, world.GENEVAL_CATEGORIES
         self.categories = tuple(map(category_fn, self.prompts)) if category_fn else ()
-        self.category_names = world.GENEVAL_CATEGORIES if default_categories else ()
         if score_fn is None:
             unknown = set(scorers) - set(SCORES)
             if unknown:

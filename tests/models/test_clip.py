@@ -2,7 +2,7 @@
 transformers and OpenCLIP, both checkpoint layouts, errors, sizes.
 
 OpenCLIP (open_clip_torch 3.3.0) is a test-only reference, installed by the README's test
-command (scripts/test.sh) without its dependencies (`pip install --no-deps open_clip_torch==3.3.0`), because its
+command without its dependencies (`pip install --no-deps open_clip_torch==3.3.0`), because its
 torchvision dependency from PyPI is a CUDA build that cannot load next to the CPU torch and then
 breaks every `transformers` model import. open_clip's model code needs torchvision only for
 names it imports at module level (image transforms, FrozenBatchNorm2d), so `_import_open_clip`
@@ -115,8 +115,7 @@ def _import_open_clip():
             import open_clip
     except ImportError as e:
         raise ImportError("The OpenCLIP parity tests need open_clip_torch: run the README's test "
-                          "command, bash scripts/test.sh (it runs pip install --no-deps "
-                          "open_clip_torch==3.3.0).") from e
+                          "command (pip install --no-deps open_clip_torch==3.3.0).") from e
     return open_clip
 
 
