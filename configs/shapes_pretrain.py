@@ -27,7 +27,10 @@ def get_config():
         # A generator file to continue from (same architecture); "" = from scratch.
         init_checkpoint="",
         # Evaluate and write an exponential moving average of the weights; 0 = the raw ones.
-        ema_decay=0.999))
+        ema_decay=0.999,
+        # Per-word probabilities of a wrong caption (world.noisy_caption): colour, count,
+        # relation; 0 = the caption is the prompt the image was rendered from.
+        caption_noise=ml_collections.ConfigDict(dict(colour=0.0, count=0.0, relation=0.0))))
     config.optimizer = config_lib.optimizer_config(
         learning_rate=1e-3, schedule="warmup_cosine", warmup_steps=200, decay_steps=num_steps)
     config.evaluation.num_prompts = 0

@@ -19,13 +19,14 @@ from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import tqdm
 
 from g2rpo_jax import parallel
 from g2rpo_jax.core import storage
 from g2rpo_jax.data import reader as reader_lib
-from g2rpo_jax.data import shapes_tfds
+from g2rpo_jax.data import shapes_tfds, world
 from g2rpo_jax.rl import optimizer as optimizer_lib
 from g2rpo_jax.run import metrics as metrics_lib
 from g2rpo_jax.run import wandb_logger
@@ -108,6 +109,11 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     reader = reader_lib.Reader(train_source, settings.batch_size, seed=config.seed,
                                rows=parallel.host_row_indices(mesh, settings.batch_size, rules))
     held_out_prompts = held_out.held_out_prompts(config)
+    caption_noise = {k: float(v) for k, v in settings.get("caption_noise", {}).items() if v}
+    if caption_noise:
+        # Corrupted captions stay within the training split: no held-out prompt is ever seen.
+        training_prompts = frozenset(world.split_prompts(
+            config.world.split_seed, config.world.held_out_fraction)["train"])
 
     optimizer = optimizer_lib.make_optimizer(config.optimizer)
     flux_graphdef, flux_params = nnx.split(generator.flux, nnx.Param)
@@ -145,7 +151,12 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
     with jax.set_mesh(mesh):
         for step in bar:
             batch = next(reader)
-            ids, mask = generator.tokenize(batch["prompt"])
+            captions = list(batch["prompt"])
+            if caption_noise:
+                rng = np.random.default_rng((config.seed, step))
+                captions = [world.noisy_caption(p, rng, caption_noise, training_prompts)
+                            for p in captions]
+            ids, mask = generator.tokenize(captions)
             arrays = [parallel.from_local_rows(a, mesh, settings.batch_size, rules=rules)
                       for a in (batch["image"], ids, mask)]
             params, opt_state, ema, loss = step_fn(params, opt_state, ema, *arrays,
@@ -170,7 +181,8 @@ def pretrain(config, workdir: str, mesh, rules) -> dict:
         config=generator_lib.generator_config(config))   # not the init file's metadata
     report = {"steps": settings.num_steps, "batch_size": settings.batch_size,
               "seconds": seconds, "held_out": scores, "seed": config.seed,
-              "ema_decay": ema_decay, "placement_grid": config.world.get("placement_grid", 1),
+              "ema_decay": ema_decay, "caption_noise": caption_noise,
+              "placement_grid": config.world.get("placement_grid", 1),
               "init_checkpoint": os.path.basename(settings.get("init_checkpoint") or "")}
     if jax.process_index() == 0:
         path = generator_lib.save_generator(os.path.join(workdir, "generator.safetensors"),

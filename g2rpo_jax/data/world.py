@@ -249,6 +249,64 @@ def category(prompt: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Noisy captions
+# ---------------------------------------------------------------------------------------------
+
+CAPTION_NOISE_KINDS = ("colour", "count", "relation")
+
+
+def noisy_caption(prompt: str, rng: np.random.Generator, rates: dict[str, float],
+                  allowed: frozenset[str] | set[str] | None = None) -> str:
+    """A caption of `prompt`'s scene that is wrong in the way web captions are.
+
+    Each colour word is replaced, with probability rates["colour"], by another colour; the count
+    word of a count prompt, with probability rates["count"], by another count; a relation, with
+    probability rates["relation"], by another relation (kinds not in `rates` are never changed).
+    A replacement is drawn uniformly among the values that keep the caption a prompt of the
+    grammar and, when `allowed` is given, in `allowed` (e.g. the training split, so that no
+    held-out prompt is ever seen as a caption); where none is, that word is left as it is.
+    A pre-training run on such captions gives a base that draws what the words say only part of
+    the time: the kind of error that reinforcement learning with a verifier repairs.
+    """
+    unknown = set(rates) - set(CAPTION_NOISE_KINDS)
+    if unknown:
+        raise ValueError(f"Unknown caption noise kinds {sorted(unknown)}; the kinds are "
+                         f"{list(CAPTION_NOISE_KINDS)}.")
+    for kind, rate in rates.items():
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"Caption noise rate {kind}={rate} must lie in [0, 1].")
+    constraints = parse_prompt(prompt)
+    objects, relation = list(constraints.objects), constraints.relation
+
+    def ok(candidate: Constraints) -> bool:
+        if relation is not None and (candidate.objects[0].colour, candidate.objects[0].shape) == (
+                candidate.objects[1].colour, candidate.objects[1].shape):
+            return False   # a relation needs two different objects
+        return allowed is None or format_prompt(candidate) in allowed
+
+    def replaced(candidates: list[Constraints]) -> None:
+        nonlocal objects, relation
+        candidates = [c for c in candidates if ok(c)]
+        if candidates:
+            pick = candidates[rng.integers(len(candidates))]
+            objects, relation = list(pick.objects), pick.relation
+
+    for i in range(len(objects)):
+        if rng.random() < rates.get("colour", 0.0):
+            replaced([Constraints(tuple(dataclasses.replace(o, colour=c) if j == i else o
+                                        for j, o in enumerate(objects)), relation)
+                      for c in COLOURS if c != objects[i].colour])
+    if relation is None and rng.random() < rates.get("count", 0.0):
+        (spec,) = objects
+        replaced([Constraints((dataclasses.replace(spec, count=n),))
+                  for n in range(1, MAX_OBJECTS + 1) if n != spec.count])
+    if relation is not None and rng.random() < rates.get("relation", 0.0):
+        replaced([Constraints(tuple(objects), dataclasses.replace(relation, kind=k))
+                  for k in RELATIONS if k != relation.kind])
+    return format_prompt(Constraints(tuple(objects), relation))
+
+
+# ---------------------------------------------------------------------------------------------
 # Splits
 # ---------------------------------------------------------------------------------------------
 

@@ -39,12 +39,19 @@ Scoring rule (`score`, in [0, 1])
     (the relation weighs as much as all the attributes together), where exclusivity = N / (N + E),
     N the number of objects the prompt asks for and E the number of detected objects of colours
     the prompt does not name.
+    The strict rule (`strict=True`) gives no credit for extra or unrecognised objects: only
+    objects of a recognised shape count in the colour checks, and E is every detected object
+    beyond min(#recognised objects of colour c, n_c) summed over the prompt's colours, so
+    unrecognised blobs, objects of an unnamed colour and objects beyond a colour's count are all
+    extra. Under it drawing more than asked never pays: hedging between colours or counts scores
+    below drawing the right ones.
     So 1.0 exactly when every colour and (colour, shape[, size]) count is exact, the relation
     holds and nothing else is drawn; an empty (all-background) image scores 0. Off-palette
     pixels and sub-`MIN_AREA` specks do not enter the score: `quality` measures them.
     Examples: "two red squares" on an image of one red square → (1/2 + 1/2) / 2 = 0.5;
-    "a red circle" on a red square → (1 + 0) / 2 = 0.5; a relation prompt's scene scored
-    against the flipped relation → (1 + 0) / 2 = 0.5.
+    "a red circle" on a red square → (1 + 0) / 2 = 0.5; "a red circle" on two red circles →
+    (1/2 + 1/2) / 2 = 0.5, strict: × 1/2 = 0.25; a relation prompt's scene scored against the flipped
+    relation → (1 + 0) / 2 = 0.5.
 
 Quality (`quality`, in [0, 1])
     1 − the fraction of pixels that are off-palette or "noisy": in a 4-connected same-class
@@ -265,7 +272,7 @@ class ScoreBreakdown(NamedTuple):
     score: float
 
 
-def score_breakdown(image, prompt: str) -> ScoreBreakdown:
+def score_breakdown(image, prompt: str, strict: bool = False) -> ScoreBreakdown:
     """The checks behind `score` (rule in the module docstring)."""
     constraints = world.parse_prompt(prompt)
     image = as_unit_float(image)
@@ -275,8 +282,10 @@ def score_breakdown(image, prompt: str) -> ScoreBreakdown:
     wanted: dict[str, int] = {}
     for spec in constraints.objects:
         wanted[spec.colour] = wanted.get(spec.colour, 0) + spec.count
+    matched = 0   # objects that a colour of the prompt accounts for
     for colour, n in wanted.items():
-        m = sum(b.colour == colour for b in blobs)
+        m = sum(b.colour == colour and (b.shape is not None or not strict) for b in blobs)
+        matched += min(m, n)
         checks.append((f"colour {colour}", _ratio(m, n)))
     candidates = []
     for spec in constraints.objects:
@@ -296,14 +305,14 @@ def score_breakdown(image, prompt: str) -> ScoreBreakdown:
         checks.append((f"relation {rel.kind}", holds))
         value = (value + holds) / 2
     n_wanted = constraints.num_objects
-    extra = sum(b.colour not in wanted for b in blobs)
+    extra = len(blobs) - matched if strict else sum(b.colour not in wanted for b in blobs)
     exclusivity = n_wanted / (n_wanted + extra)
     return ScoreBreakdown(tuple(checks), exclusivity, value * exclusivity)
 
 
-def score(image, prompt: str) -> float:
+def score(image, prompt: str, strict: bool = False) -> float:
     """How well `image` satisfies `prompt`, in [0, 1]; 1.0 only when every constraint holds."""
-    return score_breakdown(image, prompt).score
+    return score_breakdown(image, prompt, strict).score
 
 
 def quality(image) -> float:
@@ -318,12 +327,12 @@ def quality(image) -> float:
     return float(1.0 - bad.mean())
 
 
-def score_batch(images, prompts) -> np.ndarray:
+def score_batch(images, prompts, strict: bool = False) -> np.ndarray:
     """[B, H, W, 3] images and B prompts → float32 [B] scores."""
     images = np.asarray(images)
     if len(images) != len(prompts):
         raise ValueError(f"{len(images)} images but {len(prompts)} prompts.")
-    return np.array([score(img, p) for img, p in zip(images, prompts)], np.float32)
+    return np.array([score(img, p, strict) for img, p in zip(images, prompts)], np.float32)
 
 
 def object_counts_batch(images, prompts) -> dict[str, np.ndarray]:

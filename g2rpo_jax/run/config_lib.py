@@ -302,5 +302,7 @@ def shapes_config() -> ml_collections.ConfigDict:
     config.evaluation = ml_collections.ConfigDict(dict(
         num_prompts=0, samples_per_prompt=1, seed=1234))
     # The out-of-domain judge's weights; "" = the file shipped in g2rpo_jax/assets.
-    config.reward = ml_collections.ConfigDict(dict(judge_path=""))
+    # strict_verifier: in_domain gives no credit for extra or unrecognised objects
+    # (`rewards.verifier.score`'s strict rule), in training and evaluation alike.
+    config.reward = ml_collections.ConfigDict(dict(judge_path="", strict_verifier=False))
     return config

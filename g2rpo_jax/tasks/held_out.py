@@ -142,8 +142,9 @@ class Evaluator:
                 raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
             judge = judge_fn(config, self.prompts) if "out_of_domain" in scorers else None
             index = {prompt: i for i, prompt in enumerate(self.prompts)}   # the judge's ids
+            strict = bool(config.reward.get("strict_verifier", False))
             self.score_fn = lambda images, prompts: score_images(
-                images, prompts, self.scorers, judge, [index[p] for p in prompts])
+                images, prompts, self.scorers, judge, [index[p] for p in prompts], strict)
         else:
             self.score_fn = score_fn
         batch_devices = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
@@ -247,15 +248,16 @@ def _first_rows(local: np.ndarray, rows: np.ndarray, count: int, mesh, total: in
 
 
 def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],
-                 judge=None, prompt_ids=None) -> dict[str, np.ndarray]:
+                 judge=None, prompt_ids=None, strict: bool = False) -> dict[str, np.ndarray]:
     """Per-image scores {name: float32 [P, M]} of images [P, M, H, W, 3] (M samples of prompt p;
-    `prompt_ids` [P]: each row's index in the judge's prompt list, default 0..P-1)."""
+    `prompt_ids` [P]: each row's index in the judge's prompt list, default 0..P-1; `strict`:
+    the verifier's strict rule for in_domain, `verifier.score`)."""
     p, m = images.shape[:2]
     flat = images.reshape(p * m, *images.shape[2:])
     repeated = [prompt for prompt in prompts for _ in range(m)]
     out = {}
     if "in_domain" in scorers:
-        out["in_domain"] = verifier.score_batch(flat, repeated)
+        out["in_domain"] = verifier.score_batch(flat, repeated, strict)
     if "quality" in scorers:
         out["quality"] = verifier.quality_batch(flat)
     if "out_of_domain" in scorers:

@@ -29,11 +29,12 @@ def make_reward_fn(generator: generator_lib.Generator, names, prompts, config):
                          f"{list(names)}.")
     judge = held_out.judge_fn(config, prompts) if "out_of_domain" in names else None
     decode = jax.jit(generator.decode)
+    strict = bool(config.reward.get("strict_verifier", False))
 
     def reward_fn(latents, prompt_ids):
         images = np.asarray(decode(latents))                          # [P, M, H, W, 3]
         scores = held_out.score_images(images, [prompts[i] for i in prompt_ids], names,
-                                       judge, prompt_ids)
+                                       judge, prompt_ids, strict)
         return np.stack([scores[n] for n in names])
     return reward_fn
 

@@ -387,3 +387,72 @@ def test_every_prompt_has_one_of_three_categories():
     # 45 one-object and 90 two- or three-object count prompts, 840 relation prompts
     # (the module docstring's arithmetic).
     assert counts == {"colors": 45, "counting": 90, "position": 840}
+
+
+# ---------------------------------------------------------------------------------------------
+# Noisy captions
+# ---------------------------------------------------------------------------------------------
+
+ALL_NOISE = dict(colour=1.0, count=1.0, relation=1.0)
+
+
+def test_no_noise_keeps_every_caption():
+    rng = np.random.default_rng(0)
+    for prompt in world.all_prompts():
+        assert world.noisy_caption(prompt, rng, dict(colour=0.0, count=0.0, relation=0.0)) == prompt
+
+
+def test_certain_noise_changes_each_named_word_and_nothing_else():
+    rng = np.random.default_rng(0)
+    for prompt in world.all_prompts()[::7]:
+        old = world.parse_prompt(prompt)
+        new = world.parse_prompt(world.noisy_caption(prompt, rng, ALL_NOISE))
+        for a, b in zip(old.objects, new.objects):
+            assert a.colour != b.colour and (a.shape, a.size) == (b.shape, b.size)
+        if old.relation is None:
+            assert old.objects[0].count != new.objects[0].count
+        else:
+            assert old.relation.kind != new.relation.kind
+            assert (new.objects[0].colour, new.objects[0].shape) != (
+                new.objects[1].colour, new.objects[1].shape)
+
+
+def test_only_the_named_kinds_change():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        caption = world.noisy_caption("two red circles", rng, dict(count=1.0))
+        assert caption in ("a red circle", "three red circles")
+        caption = world.noisy_caption("a red circle above a blue square", rng, dict(relation=1.0))
+        assert caption in ("a red circle below a blue square", "a red circle left of a blue square",
+                           "a red circle right of a blue square")
+
+
+def test_colour_noise_has_its_rate_and_picks_other_colours_uniformly():
+    rng = np.random.default_rng(2)
+    n = 4000
+    captions = [world.noisy_caption("a red circle", rng, dict(colour=0.3)) for _ in range(n)]
+    changed = [c for c in captions if c != "a red circle"]
+    # Binomial(4000, 0.3): std 29, so ±4 std is ±116.
+    assert abs(len(changed) - 0.3 * n) < 116
+    counts = {c: changed.count(f"a {c} circle") for c in ("green", "blue", "yellow", "white")}
+    assert sum(counts.values()) == len(changed)
+    expected = len(changed) / 4
+    assert all(abs(v - expected) < 4 * np.sqrt(expected) for v in counts.values()), counts
+
+
+def test_noisy_captions_stay_in_the_allowed_set():
+    splits = world.split_prompts()
+    train = frozenset(splits["train"])
+    rng = np.random.default_rng(3)
+    for prompt in splits["train"][::5]:
+        assert world.noisy_caption(prompt, rng, ALL_NOISE, train) in train
+    # With only the prompt itself allowed, nothing can change.
+    assert world.noisy_caption("two red circles", rng, ALL_NOISE,
+                               {"two red circles"}) == "two red circles"
+
+
+@pytest.mark.parametrize("rates, match", [(dict(shape=0.5), "Unknown caption noise kinds"),
+                                          (dict(colour=1.5), "must lie in")])
+def test_noisy_caption_rejects_bad_rates(rates, match):
+    with pytest.raises(ValueError, match=match):
+        world.noisy_caption("a red circle", np.random.default_rng(0), rates)

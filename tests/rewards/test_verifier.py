@@ -1,5 +1,7 @@
 """The verifier: hand-drawn images with known scores, rendered prompts score 1, mismatches less."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -181,12 +183,49 @@ def test_hand_drawn_counts_and_sizes():
     assert verifier.score(image, "two large yellow circles") == pytest.approx(
         (1 + 1 + 0.5) / 3 * 2 / 3)
     assert verifier.score(image, "a large white triangle") == pytest.approx(1 / 3)  # 2 extras
+    # Yellow 1/2, white 1, yellow circles 1/2, white triangle 1, the relation holds; strictly,
+    # the second yellow circle is beyond the prompt's one yellow object: exclusivity 2 / 3.
+    expected = ((0.5 + 1 + 0.5 + 1) / 4 + 1) / 2
     assert verifier.score(image, "a white triangle below a yellow circle") == pytest.approx(
-        (0.5 + 1 + 0.5 + 1) / 4 / 2 + 0.5)  # yellow 1/2, circles 1/2, relation holds
+        expected)
+    assert verifier.score(image, "a white triangle below a yellow circle",
+                          strict=True) == pytest.approx(expected * 2 / 3)
     image[2:9, 20:27] = 0
     assert verifier.score(image, "a white triangle below a yellow circle") == 1.0
     assert verifier.score(image, "a yellow circle above a white triangle") == 1.0
     assert verifier.score(image, "a yellow circle right of a white triangle") == 0.5
+
+
+def test_strict_rule_gives_extra_and_unrecognised_objects_no_credit():
+    score = functools.partial(verifier.score, strict=True)
+    image = blank()
+    image[2:9, 2:9][disk(3)] = RED
+    assert score(image, "a red circle") == 1.0
+    image[20:27, 20:27][disk(3)] = RED  # a second red circle: beyond the count
+    assert score(image, "a red circle") == pytest.approx((0.5 + 0.5) / 2 * 1 / 2)
+    assert score(image, "two red circles") == 1.0
+    image[20:27, 20:27] = 0
+    image[20:22, 16:30] = RED  # a red bar: no shape of the world (aspect 2 / 14)
+    assert verifier.detect_objects(image)[-1].shape is None
+    # The bar counts for no colour and is extra: colour 1, shape 1, exclusivity 1 / 2.
+    assert score(image, "a red circle") == pytest.approx(0.5)
+    # Asked for two, the bar does not make up the count: colour 1/2, shape 1/2, and it is
+    # still extra: exclusivity 2 / 3.
+    assert score(image, "two red circles") == pytest.approx(0.5 * 2 / 3)
+    # Hedging between two colours scores below drawing the right one.
+    hedge = blank()
+    hedge[2:9, 2:9][disk(3)] = RED
+    hedge[20:27, 20:27][disk(3)] = BLUE
+    assert score(hedge, "a red circle") == pytest.approx(0.5)
+    # The default rule counts the bar for red and a second red circle as no extra.
+    assert verifier.score(image, "a red circle") == pytest.approx((0.5 + 1) / 2)
+
+
+def test_rendered_prompts_score_one_under_the_strict_rule():
+    rng = np.random.default_rng(5)
+    for prompt in world.all_prompts()[::9]:
+        image = world.render_prompt(prompt, rng, grid=4)
+        assert verifier.score(image, prompt, strict=True) == 1.0, prompt
 
 
 def test_all_background_scores_zero_for_every_prompt():

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from g2rpo_jax.data import world
 from g2rpo_jax.tasks import held_out
 
 
@@ -35,3 +36,17 @@ def test_category_table_is_genevals_layout():
     assert lines[0] == "| held-out score | overall | single_object | colors | position |"
     assert lines[2] == "| in_domain (base) | 0.3333 | — | 0.5000 | 0.2500 |"
     assert lines[3] == "| quality (base) | 0.8333 | — | 0.7000 | 0.9000 |"
+
+
+def test_score_images_applies_the_strict_verifier_rule():
+    one = np.zeros((32, 32, 3), np.uint8)
+    one[2:9, 2:9][world.shape_mask("circle", 3)] = (255, 0, 0)
+    two = one.copy()
+    two[20:27, 20:27][world.shape_mask("circle", 3)] = (255, 0, 0)
+    images = np.stack([one, two])[None]                               # [P = 1, M = 2, H, W, 3]
+    lenient = held_out.score_images(images, ["a red circle"], ["in_domain"])["in_domain"]
+    strict = held_out.score_images(images, ["a red circle"], ["in_domain"],
+                                   strict=True)["in_domain"]
+    # Two red circles for "a red circle": colour 1/2, shape 1/2; strictly the second is extra.
+    np.testing.assert_allclose(lenient, [[1.0, 0.5]])
+    np.testing.assert_allclose(strict, [[1.0, 0.25]])
