@@ -142,7 +142,7 @@ class Evaluator:
                 raise ValueError(f"Unknown scores {sorted(unknown)}; known: {SCORES}.")
             judge = judge_fn(config, self.prompts) if "out_of_domain" in scorers else None
             index = {prompt: i for i, prompt in enumerate(self.prompts)}   # the judge's ids
-            strict = bool(config.reward.get("strict_verifier", False))
+            strict = strict_verifier(config)
             self.score_fn = lambda images, prompts: score_images(
                 images, prompts, self.scorers, judge, [index[p] for p in prompts], strict)
         else:
@@ -245,6 +245,11 @@ def _first_rows(local: np.ndarray, rows: np.ndarray, count: int, mesh, total: in
         kept = owned[owned < count]
         out[kept] = gathered[process][kept]
     return out
+
+
+def strict_verifier(config) -> bool:
+    """Whether in_domain uses the verifier's strict rule (`config.reward.strict_verifier`)."""
+    return bool(config.reward.get("strict_verifier", False))
 
 
 def score_images(images: np.ndarray, prompts: Sequence[str], scorers: Sequence[str],

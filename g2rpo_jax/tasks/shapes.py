@@ -29,7 +29,7 @@ def make_reward_fn(generator: generator_lib.Generator, names, prompts, config):
                          f"{list(names)}.")
     judge = held_out.judge_fn(config, prompts) if "out_of_domain" in names else None
     decode = jax.jit(generator.decode)
-    strict = bool(config.reward.get("strict_verifier", False))
+    strict = held_out.strict_verifier(config)
 
     def reward_fn(latents, prompt_ids):
         images = np.asarray(decode(latents))                          # [P, M, H, W, 3]
